@@ -1,0 +1,1 @@
+"""Microbenchmark harness (installed as ``triton_offload.bench``) and pytest-benchmark suites."""

@@ -1,0 +1,41 @@
+"""Test recipe shared by tests/ and bench/.
+
+Without CUDA the Triton kernels run under the interpreter on CPU tensors. The
+variable must be set before any ``@triton.jit`` function is defined, hence here,
+at the root, before test modules import ``triton_offload.kernels``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+CUDA_AVAILABLE = torch.cuda.is_available()
+if not CUDA_AVAILABLE:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if CUDA_AVAILABLE and not INTERPRETED:
+        return
+    reason = (
+        "needs a CUDA GPU (pinned host memory, real streams); none is available"
+        if not CUDA_AVAILABLE
+        else "needs compiled kernels on CUDA; TRITON_INTERPRET=1 is set"
+    )
+    skip_cuda = pytest.mark.skip(reason=reason)
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip_cuda)
+
+
+@pytest.fixture
+def device() -> torch.device:
+    """Where kernel tests put their tensors: CPU under the interpreter, else the GPU."""
+    if INTERPRETED or not CUDA_AVAILABLE:
+        return torch.device("cpu")
+    return torch.device("cuda")

@@ -1,0 +1,63 @@
+"""triton_offload: KV-cache offloading between GPU cache groups and a pinned host pool.
+
+The planner (``GroupSpec`` -> ``plan_offload`` -> ``OffloadPlan``) is pure Python and
+imports no torch; the data path (``TransferEngine``) imports torch and the Triton
+kernels only when first used, so ``import triton_offload`` stays cheap for a
+scheduler process.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+# Public name -> defining module. Resolved on first attribute access (PEP 562) so
+# that the planner can be used without importing torch or triton.
+_EXPORTS: dict[str, str] = {
+    "GroupKind": "triton_offload.groups",
+    "GroupSpec": "triton_offload.groups",
+    "ParallelSpec": "triton_offload.groups",
+    "OffloadPlan": "triton_offload.plan",
+    "GroupPlan": "triton_offload.plan",
+    "plan_offload": "triton_offload.plan",
+    "is_store_reachable_chunk": "triton_offload.lookup",
+    "TransferEngine": "triton_offload.engine",
+    "TransferResult": "triton_offload.engine",
+    "HostBlockManager": "triton_offload.host_blocks",
+}
+
+__all__ = [
+    "GroupKind",
+    "GroupPlan",
+    "GroupSpec",
+    "HostBlockManager",
+    "OffloadPlan",
+    "ParallelSpec",
+    "TransferEngine",
+    "TransferResult",
+    "__version__",
+    "is_store_reachable_chunk",
+    "plan_offload",
+]
+
+if TYPE_CHECKING:
+    from triton_offload.engine import TransferEngine, TransferResult
+    from triton_offload.groups import GroupKind, GroupSpec, ParallelSpec
+    from triton_offload.host_blocks import HostBlockManager
+    from triton_offload.lookup import is_store_reachable_chunk
+    from triton_offload.plan import GroupPlan, OffloadPlan, plan_offload
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _EXPORTS.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'triton_offload' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module_name), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -1,0 +1,87 @@
+"""`triton-offload` console script.
+
+Each sub-command lives in its own module exposing ``configure_parser(parser)`` and
+``run(args) -> int``; this file only dispatches, so commands stay independent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import platform
+import sys
+from collections.abc import Sequence
+from types import ModuleType
+
+# sub-command -> (module, one-line help)
+_COMMANDS: dict[str, tuple[str, str]] = {
+    "bench": ("triton_offload.bench.command", "measure transfer paths side by side"),
+    "verify": ("triton_offload.verify.command", "cold vs offload-hit equality on a hybrid model"),
+    "plan": ("triton_offload.plan_command", "print a model's offload plan as a table"),
+}
+
+
+def _load_command(module_name: str) -> ModuleType | None:
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        # Only a missing command module is tolerated; a broken dependency inside it is not.
+        if error.name is not None and module_name.startswith(error.name):
+            return None
+        raise
+
+
+def _run_info(_: argparse.Namespace) -> int:
+    import torch
+    import triton
+
+    print(f"triton_offload  {_package_version()}")
+    print(f"python          {platform.python_version()}")
+    print(f"torch           {torch.__version__}")
+    print(f"triton          {triton.__version__}")
+    cuda = torch.cuda.is_available()
+    print(f"cuda available  {cuda}")
+    if cuda:
+        print(f"gpu             {torch.cuda.get_device_name()}")
+        print(f"cuda runtime    {torch.version.cuda}")
+    try:
+        import vllm
+
+        print(f"vllm            {vllm.__version__}")
+    except ImportError:
+        print("vllm            not installed")
+    return 0
+
+
+def _package_version() -> str:
+    from triton_offload import __version__
+
+    return __version__
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="triton-offload",
+        description="KV-cache offloading backend: planner, data path, verification, benchmarks.",
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module_name, help_text) in _COMMANDS.items():
+        module = _load_command(module_name)
+        if module is None:
+            continue
+        sub = subparsers.add_parser(name, help=help_text, description=help_text)
+        module.configure_parser(sub)
+        sub.set_defaults(handler=module.run)
+    info = subparsers.add_parser("info", help="versions and devices seen by this install")
+    info.set_defaults(handler=_run_info)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return int(args.handler(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
