@@ -1,0 +1,102 @@
+"""The CPU copy path: cache planes <-> pool rows without CUDA and without Triton.
+
+Why ``memmove`` per page and not numpy/torch indexing: measured on the 2-core CI
+machine, 64 MiB moved as random pages out of a plane with a padded block stride
+(``bench/bench_cpu_copy.py`` measures the same against one large copy):
+
+==========  ===========  =========================  ==========================  =========
+page        large copy   numpy void ``d[i]=s[j]``   same, 512 KiB batches       memmove
+==========  ===========  =========================  ==========================  =========
+4 KiB       7.2 GB/s     2.7 GB/s                   3.6 GB/s                    3.2 GB/s
+16 KiB      7.8 GB/s     2.8 GB/s                   4.0 GB/s                    5.3 GB/s
+64 KiB      7.5 GB/s     2.9 GB/s                   4.9 GB/s                    6.7 GB/s
+==========  ===========  =========================  ==========================  =========
+
+Fancy indexing with both sides indexed gathers into a temporary and scatters again
+(two passes over the bytes); ``torch.index_copy_`` is slower still. A loop of
+``ctypes.memmove`` over addresses computed by numpy makes one pass, costs ~0.5 us
+per page, and is the only option that reaches half of a large copy at 16 KiB.
+Contiguous runs (adjacent pages on both sides) are merged into one ``memmove``.
+
+All addresses are computed with numpy from the static plane geometry and the pair
+table; the caller must have validated the pairs (the copies here trust them).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from triton_offload.layout import CacheLayout
+
+#: Direction values, equal to ``Direction.TO_POOL`` / ``Direction.FROM_POOL`` of the kernels.
+TO_POOL = 0
+FROM_POOL = 1
+
+_memmove = ctypes.memmove
+
+
+def page_runs(
+    cache_addresses: np.ndarray, pool_addresses: np.ndarray, page_bytes: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Merge pages adjacent on both sides: (cache starts, pool starts, byte lengths)."""
+    n = cache_addresses.size
+    if n == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty
+    breaks = np.ones(n, dtype=bool)
+    if n > 1:
+        breaks[1:] = (np.diff(cache_addresses) != page_bytes) | (
+            np.diff(pool_addresses) != page_bytes
+        )
+    starts = np.flatnonzero(breaks)
+    lengths = np.diff(np.append(starts, n)) * page_bytes
+    return cache_addresses[starts], pool_addresses[starts], lengths
+
+
+def copy_pages(
+    layout: CacheLayout,
+    pool_address: int,
+    pool_row_bytes: int,
+    pairs: np.ndarray,
+    group_offsets: np.ndarray,
+    direction: int,
+) -> int:
+    """Copy every plane page named by ``pairs``; returns the bytes moved.
+
+    ``pairs`` is int64 ``[n, 3]`` (gpu_block, pool_row, slot), ordered by group;
+    ``group_offsets`` int64 ``[num_groups + 1]``. ``direction`` is ``TO_POOL`` (store)
+    or ``FROM_POOL`` (load). Addresses are host addresses (CPU tensors only).
+    """
+    assert direction in (TO_POOL, FROM_POOL)
+    store = direction == TO_POOL
+    moved = 0
+    for group in range(layout.num_groups):
+        lo, hi = int(group_offsets[group]), int(group_offsets[group + 1])
+        if lo == hi:
+            continue
+        blocks = pairs[lo:hi, 0]
+        row_starts = pool_address + pairs[lo:hi, 1] * pool_row_bytes
+        slots = pairs[lo:hi, 2]
+        for index in layout.group_planes[group]:
+            plane = layout.planes[index]
+            page = plane.page_bytes
+            cache = plane.base_address + blocks * plane.block_stride
+            pool = row_starts + plane.pool_offset + slots * page
+            cache_starts, pool_starts, lengths = page_runs(cache, pool, page)
+            sources, targets = (cache_starts, pool_starts) if store else (pool_starts, cache_starts)
+            if lengths.size == cache.size:
+                # No merged runs: every copy is one page long.
+                for target, source in zip(targets.tolist(), sources.tolist()):
+                    _memmove(target, source, page)
+            else:
+                for target, source, length in zip(
+                    targets.tolist(), sources.tolist(), lengths.tolist()
+                ):
+                    _memmove(target, source, length)
+            moved += page * (hi - lo)
+    return moved
+
+
+__all__ = ["FROM_POOL", "TO_POOL", "copy_pages", "page_runs"]

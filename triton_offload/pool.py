@@ -1,0 +1,233 @@
+"""Host pool allocation: ``rows`` x ``row_bytes`` bytes, one chunk of one group per row.
+
+On CUDA the pool is ordinary host memory that is page-locked with
+``cudaHostRegister`` in pieces (``piece_bytes`` each) rather than one
+``torch.empty(pin_memory=True)``: torch's pinned allocator rounds every request up to
+a power of two (a 40 GiB pool would lock 64 GiB), and locking hundreds of GiB in one
+call can fail or stall where smaller pieces succeed. Kernels reach the pool through
+the device-visible address that ``cudaHostGetDevicePointer`` returns for it; the
+host address is never assumed to be valid on the device. Without CUDA the pool is
+plain memory and its device address is its host address.
+
+The CUDA runtime is called through ctypes on the ``libcudart`` that torch already
+loaded (found in ``/proc/self/maps``), falling back to the driver API in
+``libcuda.so.1``. None of this runs without a GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+#: Size of each ``cudaHostRegister`` call. 1 GiB keeps a single registration short
+#: (it touches and locks every page) while a 100 GiB pool needs only ~100 calls.
+DEFAULT_PIECE_BYTES = 1 << 30
+
+_CUDA_HOST_REGISTER_PORTABLE = 1
+_CUDA_HOST_REGISTER_MAPPED = 2
+
+
+class _HostApi:
+    """``register``/``unregister``/``device_pointer`` of page-locked host memory."""
+
+    def __init__(self) -> None:
+        self._register: Callable[..., int]
+        self._unregister: Callable[..., int]
+        self._device_pointer: Callable[..., int]
+        runtime = self._find_runtime()
+        if runtime is not None:
+            self._register = runtime.cudaHostRegister
+            self._unregister = runtime.cudaHostUnregister
+            self._device_pointer = runtime.cudaHostGetDevicePointer
+            self.source = f"runtime {runtime._name}"
+        else:
+            driver = ctypes.CDLL("libcuda.so.1")
+            self._register = driver.cuMemHostRegister_v2
+            self._unregister = driver.cuMemHostUnregister
+            self._device_pointer = driver.cuMemHostGetDevicePointer_v2
+            self.source = "driver libcuda.so.1"
+        self._register.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+        self._register.restype = ctypes.c_int
+        self._unregister.argtypes = [ctypes.c_void_p]
+        self._unregister.restype = ctypes.c_int
+        self._device_pointer.argtypes = [
+            ctypes.POINTER(ctypes.c_void_p),
+            ctypes.c_void_p,
+            ctypes.c_uint,
+        ]
+        self._device_pointer.restype = ctypes.c_int
+
+    @staticmethod
+    def _find_runtime() -> ctypes.CDLL | None:
+        paths: list[str] = []
+        try:
+            with open("/proc/self/maps") as maps:
+                for line in maps:
+                    path = line.rsplit(None, 1)[-1]
+                    if "libcudart" in path and path.startswith("/") and path not in paths:
+                        paths.append(path)
+        except OSError:
+            pass
+        for path in paths:
+            try:
+                return ctypes.CDLL(path)
+            except OSError:
+                continue
+        return None
+
+    def register(self, address: int, size: int) -> None:
+        flags = _CUDA_HOST_REGISTER_PORTABLE | _CUDA_HOST_REGISTER_MAPPED
+        code = self._register(address, size, flags)
+        if code != 0:
+            raise RuntimeError(
+                f"registering {size} bytes of host memory at {address:#x} failed with "
+                f"CUDA error {code} ({self.source})"
+            )
+
+    def unregister(self, address: int) -> None:
+        self._unregister(address)
+
+    def device_pointer(self, address: int) -> int:
+        out = ctypes.c_void_p()
+        code = self._device_pointer(ctypes.byref(out), address, 0)
+        if code != 0 or out.value is None:
+            raise RuntimeError(
+                f"no device address for host memory at {address:#x}: CUDA error {code} "
+                f"({self.source})"
+            )
+        return int(out.value)
+
+
+_HOST_API: _HostApi | None = None
+
+
+def _host_api() -> _HostApi:
+    global _HOST_API
+    if _HOST_API is None:
+        _HOST_API = _HostApi()
+    return _HOST_API
+
+
+def device_address_of_pinned(tensor: torch.Tensor) -> int:
+    """Device-visible address of the first byte of a page-locked CPU tensor."""
+    return _host_api().device_pointer(tensor.data_ptr())
+
+
+@dataclass
+class HostPool:
+    """The host pool: ``tensor`` is uint8 ``[rows, row_bytes]``.
+
+    ``device_address`` is the address kernels use for row 0 (equal to the host
+    address without CUDA). ``pinned`` says whether the memory is page-locked.
+    """
+
+    tensor: torch.Tensor
+    device_address: int
+    pinned: bool
+    _pieces: list[int] = field(default_factory=list, repr=False)
+    _finalizer: weakref.finalize | None = field(default=None, repr=False)
+
+    @property
+    def rows(self) -> int:
+        return self.tensor.size(0)
+
+    @property
+    def row_bytes(self) -> int:
+        return self.tensor.size(1)
+
+    def close(self) -> None:
+        """Unregister the pages this pool locked (idempotent)."""
+        if self._finalizer is not None:
+            self._finalizer()
+
+
+def _unregister_all(pieces: list[int], keep_alive: torch.Tensor) -> None:
+    del keep_alive
+    api = _host_api()
+    for address in pieces:
+        api.unregister(address)
+    pieces.clear()
+
+
+def allocate_pool(
+    rows: int,
+    row_bytes: int,
+    *,
+    pinned: bool,
+    piece_bytes: int = DEFAULT_PIECE_BYTES,
+) -> HostPool:
+    """Allocate a zero-filled pool; page-lock it in pieces when ``pinned``."""
+    if rows < 1:
+        raise ValueError(f"num_host_blocks {rows} must be >= 1")
+    if row_bytes < 1:
+        raise ValueError(f"row_bytes {row_bytes} must be >= 1")
+    if piece_bytes < 1:
+        raise ValueError(f"piece_bytes {piece_bytes} must be >= 1")
+    tensor = torch.zeros((rows, row_bytes), dtype=torch.uint8)
+    if not pinned:
+        return HostPool(tensor=tensor, device_address=tensor.data_ptr(), pinned=False)
+    api = _host_api()
+    base = tensor.data_ptr()
+    total = rows * row_bytes
+    pieces: list[int] = []
+    try:
+        device_base: int | None = None
+        for start in range(0, total, piece_bytes):
+            size = min(piece_bytes, total - start)
+            api.register(base + start, size)
+            pieces.append(base + start)
+            address = api.device_pointer(base + start)
+            if device_base is None:
+                device_base = address
+            elif address != device_base + start:
+                # The kernels address the whole pool from one base; pieces mapped at
+                # unrelated device addresses cannot be reached that way.
+                raise RuntimeError(
+                    f"pinned pool piece at offset {start} maps to device address "
+                    f"{address:#x}, not {device_base + start:#x}; the pool needs one "
+                    "linear device mapping (unified addressing)"
+                )
+    except BaseException:
+        _unregister_all(pieces, tensor)
+        raise
+    assert device_base is not None
+    pool = HostPool(tensor=tensor, device_address=device_base, pinned=True, _pieces=pieces)
+    # Unregister before the memory can be freed: the finalizer holds the tensor.
+    pool._finalizer = weakref.finalize(pool, _unregister_all, pieces, tensor)
+    return pool
+
+
+def wrap_pool(tensor: torch.Tensor, *, rows: int, row_bytes: int, cuda: bool) -> HostPool:
+    """Use a caller-provided pool tensor: contiguous uint8 ``[rows, row_bytes]``.
+
+    With CUDA, a CPU pool must be page-locked (pageable memory can be neither reached
+    by the kernels nor copied asynchronously); a pool in device memory is used as is.
+    """
+    if tensor.dtype != torch.uint8 or tuple(tensor.shape) != (rows, row_bytes):
+        raise ValueError(
+            f"pool must be a uint8 tensor of shape {(rows, row_bytes)}, got dtype "
+            f"{tensor.dtype} with shape {tuple(tensor.shape)}"
+        )
+    if not tensor.is_contiguous():
+        raise ValueError(f"pool strides {tensor.stride()} are not contiguous")
+    if tensor.device.type == "cpu" and cuda:
+        if not tensor.is_pinned():
+            raise ValueError(
+                "pool is pageable host memory; with CUDA the host pool must be pinned "
+                "(torch.empty(..., pin_memory=True) or cudaHostRegister)"
+            )
+        return HostPool(tensor, device_address_of_pinned(tensor), pinned=True)
+    return HostPool(tensor, tensor.data_ptr(), pinned=False)
+
+
+__all__ = [
+    "DEFAULT_PIECE_BYTES",
+    "HostPool",
+    "allocate_pool",
+    "device_address_of_pinned",
+    "wrap_pool",
+]
