@@ -1,0 +1,295 @@
+"""Host-pool row bookkeeping for engines that are not vLLM.
+
+``HostBlockManager`` answers the scheduler-side questions an offloading connector
+asks about the host pool: which chunks are stored (``lookup``), which rows a new
+store may write (``prepare_store`` / ``complete_store``) and which rows a load
+reads (``prepare_load`` / ``complete_load``). It never touches bytes: the rows it
+hands out are the ``host_blocks`` a caller passes to ``TransferEngine``.
+
+Entries are keyed by ``(chunk key, group)``: one pool row holds one chunk of one
+cache group (see ``TransferEngine``). A chunk key is any hashable value that names
+the chunk's contents; a hash of the token prefix up to the chunk's end is the usual
+choice, so that a longer prompt sharing the prefix finds the stored chunks.
+
+Row life cycle::
+
+    free --prepare_store--> storing --complete_store(True)--> stored (LRU, refcount 0)
+                                    --complete_store(False)-> free
+    stored --prepare_load--> stored, refcount + 1 --complete_load--> refcount - 1
+    stored, refcount 0 --evicted by a later prepare_store--> storing (new key)
+
+A row being stored (not yet completed) or loaded (refcount > 0) is never evicted
+and never handed out to another store, so a transfer in flight cannot have its row
+overwritten. Eviction takes the least recently used stored row first; stores that
+complete and loads that are prepared (and ``touch``) make a chunk most recently
+used. ``lookup`` is a pure query and does not change the order.
+
+Typical serving loop (one manager per scheduler, shared by every rank's engine)::
+
+    present = [manager.lookup(keys[g], g) for g in range(num_groups)]
+    hit = plan.lookup(num_tokens, 0, present)
+    handle = manager.prepare_load(keys[g][first:last], g)   # pins the rows
+    engine.submit_load(job, [handle.rows, ...], gpu_blocks, first_block_index)
+    ... wait ...
+    manager.complete_load(handle)                            # unpins
+
+    handle = manager.prepare_store(keys[g], g)               # None: pool full
+    engine.submit_store(job, gpu_blocks, [handle.rows, ...], first_block_index)
+    ... wait ...
+    manager.complete_store(handle, success=result.success)
+
+The manager is not thread-safe: it belongs to the scheduler, which serialises calls.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict, deque
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+__all__ = ["HostBlockManager", "LoadHandle", "StoreHandle"]
+
+
+@dataclass(frozen=True)
+class StoreHandle:
+    """Rows granted by ``HostBlockManager.prepare_store``.
+
+    ``keys[i]`` is to be written to pool row ``rows[i]``; ``indices[i]`` is the
+    position of ``keys[i]`` in the sequence passed to ``prepare_store`` (keys that
+    were already stored or being stored are skipped, so positions may have gaps).
+    ``evicted`` lists the ``(key, group)`` entries dropped to make room.
+    """
+
+    handle_id: int
+    group: int
+    keys: tuple[Hashable, ...]
+    rows: tuple[int, ...]
+    indices: tuple[int, ...]
+    evicted: tuple[tuple[Hashable, int], ...]
+
+
+@dataclass(frozen=True)
+class LoadHandle:
+    """Rows pinned by ``HostBlockManager.prepare_load``: ``keys[i]`` is in ``rows[i]``."""
+
+    handle_id: int
+    group: int
+    keys: tuple[Hashable, ...]
+    rows: tuple[int, ...]
+
+
+@dataclass
+class _Entry:
+    row: int
+    ready: bool  # False while its store is in flight
+    refcount: int = 0  # loads in flight
+
+
+class HostBlockManager:
+    """Maps ``(chunk key, group)`` to host-pool rows with LRU eviction and reference counts.
+
+    Args:
+        num_rows: rows in the host pool (``TransferEngine``'s ``num_host_blocks``).
+    """
+
+    def __init__(self, num_rows: int) -> None:
+        if isinstance(num_rows, bool) or not isinstance(num_rows, int):
+            raise TypeError(f"num_rows must be an int, got {num_rows!r}")
+        if num_rows < 1:
+            raise ValueError(f"num_rows must be at least 1, got {num_rows}")
+        self._num_rows = num_rows
+        self._free: deque[int] = deque(range(num_rows))
+        # (key, group) -> entry; iteration order is LRU (oldest first).
+        self._entries: OrderedDict[tuple[Hashable, int], _Entry] = OrderedDict()
+        self._stores: dict[int, StoreHandle] = {}
+        self._loads: dict[int, LoadHandle] = {}
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_rows(self) -> int:
+        return self._num_rows
+
+    @property
+    def num_free_rows(self) -> int:
+        """Rows holding nothing (evictable stored rows are not counted)."""
+        return len(self._free)
+
+    def __len__(self) -> int:
+        """Entries stored or being stored."""
+        return len(self._entries)
+
+    def lookup(self, keys: Sequence[Hashable], group: int) -> list[bool]:
+        """Per key: is the chunk stored and complete (a load may read it now)?
+
+        A chunk whose store is still in flight reports False. The result is the
+        ``present[group]`` argument of ``OffloadPlan.lookup`` when ``keys`` lists the
+        group's chunks from chunk 0. Does not change the LRU order.
+        """
+        self._check_group(group)
+        out = []
+        for key in _checked_keys(keys):
+            entry = self._entries.get((key, group))
+            out.append(entry is not None and entry.ready)
+        return out
+
+    def row_of(self, key: Hashable, group: int) -> int | None:
+        """The row holding a stored or being-stored chunk, else None."""
+        self._check_group(group)
+        entry = self._entries.get((_checked_key(key), group))
+        return None if entry is None else entry.row
+
+    # ------------------------------------------------------------------ stores
+    def prepare_store(self, keys: Sequence[Hashable], group: int) -> StoreHandle | None:
+        """Reserve rows for the keys of ``group`` that are neither stored nor being stored.
+
+        Evicts least recently used stored rows that no load holds when the free rows
+        do not suffice. Returns None, changing nothing, when even eviction cannot
+        provide enough rows. The granted rows are invisible to ``lookup`` and safe from
+        eviction until ``complete_store``.
+        """
+        self._check_group(group)
+        checked = _checked_keys(keys)
+        _reject_duplicates(checked)
+        wanted = [(i, k) for i, k in enumerate(checked) if (k, group) not in self._entries]
+        shortfall = len(wanted) - len(self._free)
+        victims: list[tuple[Hashable, int]] = []
+        if shortfall > 0:
+            for entry_key, entry in self._entries.items():  # oldest first
+                if entry.ready and entry.refcount == 0:
+                    victims.append(entry_key)
+                    if len(victims) == shortfall:
+                        break
+            if len(victims) < shortfall:
+                return None
+        for victim in victims:
+            self._free.append(self._entries.pop(victim).row)
+        rows = []
+        for _, key in wanted:
+            row = self._free.popleft()
+            self._entries[(key, group)] = _Entry(row=row, ready=False)
+            rows.append(row)
+        handle = StoreHandle(
+            handle_id=next(self._ids),
+            group=group,
+            keys=tuple(k for _, k in wanted),
+            rows=tuple(rows),
+            indices=tuple(i for i, _ in wanted),
+            evicted=tuple(victims),
+        )
+        self._stores[handle.handle_id] = handle
+        return handle
+
+    def complete_store(self, handle: StoreHandle, success: bool) -> None:
+        """Finish a store: on success the chunks become visible (most recently used);
+        on failure their rows return to the free list and the keys are forgotten."""
+        handle_id = _handle_id(handle, StoreHandle)
+        if self._stores.get(handle_id) is not handle:
+            raise ValueError(f"store handle {handle_id} is not pending")
+        del self._stores[handle_id]
+        for key, row in zip(handle.keys, handle.rows, strict=True):
+            entry = self._entries[(key, handle.group)]
+            assert entry.row == row and not entry.ready, (key, handle.group)
+            if success:
+                entry.ready = True
+                self._entries.move_to_end((key, handle.group))
+            else:
+                del self._entries[(key, handle.group)]
+                self._free.append(row)
+
+    # ------------------------------------------------------------------ loads
+    def prepare_load(self, keys: Sequence[Hashable], group: int) -> LoadHandle:
+        """Pin the rows of stored chunks for a load (reference count + 1 each).
+
+        Raises ValueError naming the first key that is not stored or whose store is
+        still in flight; nothing is pinned then. Pinned rows are never evicted.
+        """
+        self._check_group(group)
+        checked = _checked_keys(keys)
+        _reject_duplicates(checked)
+        entries = []
+        for key in checked:
+            entry = self._entries.get((key, group))
+            if entry is None:
+                raise ValueError(f"chunk key {key!r} of group {group} is not stored")
+            if not entry.ready:
+                raise ValueError(f"chunk key {key!r} of group {group} is still being stored")
+            entries.append(entry)
+        for key, entry in zip(checked, entries, strict=True):
+            entry.refcount += 1
+            self._entries.move_to_end((key, group))
+        handle = LoadHandle(
+            handle_id=next(self._ids),
+            group=group,
+            keys=tuple(checked),
+            rows=tuple(e.row for e in entries),
+        )
+        self._loads[handle.handle_id] = handle
+        return handle
+
+    def complete_load(self, handle: LoadHandle) -> None:
+        """Unpin the rows of a finished load (success or not: the host copy is intact)."""
+        handle_id = _handle_id(handle, LoadHandle)
+        if self._loads.get(handle_id) is not handle:
+            raise ValueError(f"load handle {handle_id} is not pending")
+        del self._loads[handle_id]
+        for key in handle.keys:
+            entry = self._entries[(key, handle.group)]
+            assert entry.refcount > 0, (key, handle.group)
+            entry.refcount -= 1
+
+    # ------------------------------------------------------------------ upkeep
+    def touch(self, keys: Sequence[Hashable], group: int) -> None:
+        """Mark stored chunks most recently used; unknown keys are ignored."""
+        self._check_group(group)
+        for key in _checked_keys(keys):
+            if (key, group) in self._entries:
+                self._entries.move_to_end((key, group))
+
+    def clear(self) -> None:
+        """Forget every stored chunk and free all rows.
+
+        Raises RuntimeError while a store or load is pending: its row is in use.
+        """
+        if self._stores or self._loads:
+            raise RuntimeError(
+                f"cannot clear: {len(self._stores)} store(s) and {len(self._loads)} load(s) pending"
+            )
+        self._entries.clear()
+        self._free = deque(range(self._num_rows))
+
+    @staticmethod
+    def _check_group(group: int) -> None:
+        if isinstance(group, bool) or not isinstance(group, int):
+            raise TypeError(f"group must be an int, got {group!r}")
+        if group < 0:
+            raise ValueError(f"group must be non-negative, got {group}")
+
+
+def _checked_key(key: Hashable) -> Hashable:
+    try:
+        hash(key)
+    except TypeError:
+        raise TypeError(f"chunk key {key!r} is not hashable") from None
+    return key
+
+
+def _checked_keys(keys: Sequence[Hashable]) -> list[Hashable]:
+    if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence):
+        raise TypeError(f"keys must be a sequence of chunk keys, got {keys!r}")
+    return [_checked_key(k) for k in keys]
+
+
+def _reject_duplicates(keys: list[Hashable]) -> None:
+    seen: set[Hashable] = set()
+    for key in keys:
+        if key in seen:
+            raise ValueError(f"chunk key {key!r} appears twice")
+        seen.add(key)
+
+
+def _handle_id(handle: object, kind: type) -> int:
+    if not isinstance(handle, kind):
+        raise TypeError(f"expected a {kind.__name__}, got {handle!r}")
+    return handle.handle_id  # type: ignore[attr-defined, no-any-return]
