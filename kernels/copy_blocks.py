@@ -32,6 +32,7 @@ host address is usable on the device.
 from __future__ import annotations
 
 import enum
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -95,8 +96,12 @@ def _copy_words(src, dst, n_words, WORD: tl.constexpr, LANES: tl.constexpr):
     if WORD >= 4:
         src_ptr = tl.multiple_of(src.to(tl.pointer_type(tl.int32)), WORD)
         dst_ptr = tl.multiple_of(dst.to(tl.pointer_type(tl.int32)), WORD)
-        lanes = tl.max_contiguous(tl.arange(0, LANES), LANES)
-        mask = lanes < n_words * (WORD // 4)
+        # [words, lanes of a word]: contiguity is exactly one word, so the load cannot be
+        # given a wider per-thread layout than the store (which would need a shuffle
+        # through shared memory between them).
+        words = tl.arange(0, LANES // (WORD // 4))
+        lanes = words[:, None] * (WORD // 4) + tl.arange(0, WORD // 4)[None, :]
+        mask = words[:, None] < n_words
         tl.store(dst_ptr + lanes, tl.load(src_ptr + lanes, mask=mask), mask=mask)
     else:
         src_ptr = src.to(tl.pointer_type(tl.uint8))
@@ -346,7 +351,7 @@ class CopyLayout:
                 for i, p in enumerate(planes)
                 if p.group == group
             )
-            for (_, end, i), (start, _, j) in zip(members, members[1:]):
+            for (_, end, i), (start, _, j) in itertools.pairwise(members):
                 if start < end:
                     raise ValueError(
                         f"plane {j} pool_offset {start} overlaps plane {i}'s slots "
@@ -479,7 +484,7 @@ def validate_pairs(
         np.full(num_pairs, layout.pool_rows, dtype=np.int64),
         np.full(num_pairs, layout.blocks_per_chunk, dtype=np.int64),
     )
-    for column, (name, limit) in enumerate(zip(names, limits)):
+    for column, (name, limit) in enumerate(zip(names, limits, strict=True)):
         values = table[:, column]
         bad = np.flatnonzero((values < 0) | (values >= limit))
         if bad.size:
