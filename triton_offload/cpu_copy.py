@@ -88,11 +88,11 @@ def copy_pages(
             sources, targets = (cache_starts, pool_starts) if store else (pool_starts, cache_starts)
             if lengths.size == cache.size:
                 # No merged runs: every copy is one page long.
-                for target, source in zip(targets.tolist(), sources.tolist()):
+                for target, source in zip(targets.tolist(), sources.tolist(), strict=True):
                     _memmove(target, source, page)
             else:
                 for target, source, length in zip(
-                    targets.tolist(), sources.tolist(), lengths.tolist()
+                    targets.tolist(), sources.tolist(), lengths.tolist(), strict=True
                 ):
                     _memmove(target, source, length)
             moved += page * (hi - lo)

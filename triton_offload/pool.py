@@ -29,10 +29,15 @@ DEFAULT_PIECE_BYTES = 1 << 30
 
 _CUDA_HOST_REGISTER_PORTABLE = 1
 _CUDA_HOST_REGISTER_MAPPED = 2
+_CUDA_MEMCPY_DEFAULT = 4
 
 
-class _HostApi:
-    """``register``/``unregister``/``device_pointer`` of page-locked host memory."""
+class CudaApi:
+    """The few CUDA calls torch does not expose: host registration and raw async copies.
+
+    ``register``/``unregister``/``device_pointer`` of page-locked host memory and
+    ``memcpy_async`` between unified addresses on a raw stream handle.
+    """
 
     def __init__(self) -> None:
         self._register: Callable[..., int]
@@ -43,12 +48,35 @@ class _HostApi:
             self._register = runtime.cudaHostRegister
             self._unregister = runtime.cudaHostUnregister
             self._device_pointer = runtime.cudaHostGetDevicePointer
+            runtime_copy = runtime.cudaMemcpyAsync
+            runtime_copy.argtypes = [
+                ctypes.c_void_p,
+                ctypes.c_void_p,
+                ctypes.c_size_t,
+                ctypes.c_int,
+                ctypes.c_void_p,
+            ]
+            runtime_copy.restype = ctypes.c_int
+
+            def copy(dst: int, src: int, size: int, stream: int) -> int:
+                return int(runtime_copy(dst, src, size, _CUDA_MEMCPY_DEFAULT, stream))
+
+            self._memcpy: Callable[[int, int, int, int], int] = copy
             self.source = f"runtime {runtime._name}"
         else:
             driver = ctypes.CDLL("libcuda.so.1")
             self._register = driver.cuMemHostRegister_v2
             self._unregister = driver.cuMemHostUnregister
             self._device_pointer = driver.cuMemHostGetDevicePointer_v2
+            driver_copy = driver.cuMemcpyAsync
+            driver_copy.argtypes = [
+                ctypes.c_uint64,
+                ctypes.c_uint64,
+                ctypes.c_size_t,
+                ctypes.c_void_p,
+            ]
+            driver_copy.restype = ctypes.c_int
+            self._memcpy = lambda dst, src, size, stream: int(driver_copy(dst, src, size, stream))
             self.source = "driver libcuda.so.1"
         self._register.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
         self._register.restype = ctypes.c_int
@@ -101,20 +129,30 @@ class _HostApi:
             )
         return int(out.value)
 
+    def memcpy_async(self, dst: int, src: int, size: int, stream: int) -> None:
+        """Enqueue one copy between unified addresses on the raw stream handle."""
+        code = self._memcpy(dst, src, size, stream)
+        if code != 0:
+            raise RuntimeError(
+                f"async copy of {size} bytes {src:#x} -> {dst:#x} failed with CUDA error "
+                f"{code} ({self.source})"
+            )
 
-_HOST_API: _HostApi | None = None
+
+_CUDA_API: CudaApi | None = None
 
 
-def _host_api() -> _HostApi:
-    global _HOST_API
-    if _HOST_API is None:
-        _HOST_API = _HostApi()
-    return _HOST_API
+def cuda_api() -> CudaApi:
+    """The process-wide ``CudaApi`` (created on first use; needs a CUDA machine)."""
+    global _CUDA_API
+    if _CUDA_API is None:
+        _CUDA_API = CudaApi()
+    return _CUDA_API
 
 
 def device_address_of_pinned(tensor: torch.Tensor) -> int:
     """Device-visible address of the first byte of a page-locked CPU tensor."""
-    return _host_api().device_pointer(tensor.data_ptr())
+    return cuda_api().device_pointer(tensor.data_ptr())
 
 
 @dataclass
@@ -147,7 +185,7 @@ class HostPool:
 
 def _unregister_all(pieces: list[int], keep_alive: torch.Tensor) -> None:
     del keep_alive
-    api = _host_api()
+    api = cuda_api()
     for address in pieces:
         api.unregister(address)
     pieces.clear()
@@ -170,7 +208,7 @@ def allocate_pool(
     tensor = torch.zeros((rows, row_bytes), dtype=torch.uint8)
     if not pinned:
         return HostPool(tensor=tensor, device_address=tensor.data_ptr(), pinned=False)
-    api = _host_api()
+    api = cuda_api()
     base = tensor.data_ptr()
     total = rows * row_bytes
     pieces: list[int] = []
@@ -226,8 +264,10 @@ def wrap_pool(tensor: torch.Tensor, *, rows: int, row_bytes: int, cuda: bool) ->
 
 __all__ = [
     "DEFAULT_PIECE_BYTES",
+    "CudaApi",
     "HostPool",
     "allocate_pool",
+    "cuda_api",
     "device_address_of_pinned",
     "wrap_pool",
 ]
