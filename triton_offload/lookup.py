@@ -1,0 +1,321 @@
+"""Store-side reachability and the load-side hit computation (DESIGN.md §2).
+
+Pure Python, no torch. The lookup runs on the scheduler's hot path once per
+waiting request, so the presence scans below avoid per-element Python loops for
+the common presence containers (``list``/``tuple`` of bools, ``bytes``/``bytearray``
+of 0/1): they use C-level primitives (``list.index``, ``bytes.find``/``rfind``,
+``in`` on short slices) and never copy the whole request.
+
+Chunk indices are per group, counted from chunk 0 of the request. A chunk that is
+not in a presence sequence (index past its end) is absent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from triton_offload.groups import GroupKind, check_positive_int
+
+if TYPE_CHECKING:
+    from triton_offload.plan import GroupPlan, OffloadPlan
+
+__all__ = [
+    "first_absent",
+    "is_store_reachable_chunk",
+    "last_present",
+    "lookup_hit_tokens",
+    "reachable_chunks",
+    "window_run_end",
+]
+
+
+# --------------------------------------------------------------------------- store side
+
+
+def _check_non_negative_int(field: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{field} must be an int, got {value!r} ({type(value).__name__})")
+    if value < 0:
+        raise ValueError(f"{field} must be >= 0, got {value}")
+    return value
+
+
+def is_store_reachable_chunk(
+    chunk_index: int,
+    storable_chunk_count: int,
+    alignment_chunk_count: int | None,
+    sliding_window_chunks: int | None,
+    is_eagle: bool,
+) -> bool:
+    """Whether storing chunk ``chunk_index`` of a windowed group can ever serve a hit.
+
+    Loads end on alignment boundaries (every ``alignment_chunk_count`` chunks of this
+    group, the unbounded groups' chunk), and a windowed group only needs the last
+    ``sliding_window_chunks`` chunks before a hit end (one more for an EAGLE group,
+    whose lookup also checks the chunk after the hit and pops it). So inside each
+    aligned segment only its tail can be read back. The last segment may be cut
+    short by ``storable_chunk_count``: its tail is counted from where it really ends,
+    because a hit on the same prompt ends there.
+
+    ``alignment_chunk_count=None`` (unbounded groups, no alignment, or a window that
+    covers a whole segment) makes every chunk reachable. Seed case: ``a=2, w=1,
+    S=4`` -> chunks ``[1, 3]``.
+    """
+    _check_non_negative_int("chunk_index", chunk_index)
+    _check_non_negative_int("storable_chunk_count", storable_chunk_count)
+    if chunk_index >= storable_chunk_count:
+        raise ValueError(
+            f"chunk_index {chunk_index} out of range [0, {storable_chunk_count}) of the "
+            "storable chunks"
+        )
+    if alignment_chunk_count is None:
+        return True
+    check_positive_int("alignment_chunk_count", alignment_chunk_count)
+    if sliding_window_chunks is None:
+        raise ValueError(
+            f"alignment_chunk_count={alignment_chunk_count} needs sliding_window_chunks "
+            "(only windowed groups have an alignment count)"
+        )
+    check_positive_int("sliding_window_chunks", sliding_window_chunks)
+    position = chunk_index % alignment_chunk_count
+    segment_length = min(alignment_chunk_count, storable_chunk_count - (chunk_index - position))
+    return position >= segment_length - (sliding_window_chunks + int(is_eagle))
+
+
+def reachable_chunks(
+    storable_chunk_count: int,
+    alignment_chunk_count: int | None,
+    sliding_window_chunks: int | None,
+    is_eagle: bool,
+) -> list[int]:
+    """All chunks ``i < storable_chunk_count`` for which :func:`is_store_reachable_chunk`
+    holds, built segment by segment (same rule, no per-chunk modulo)."""
+    _check_non_negative_int("storable_chunk_count", storable_chunk_count)
+    if alignment_chunk_count is None:
+        return list(range(storable_chunk_count))
+    if sliding_window_chunks is None:
+        raise ValueError(
+            f"alignment_chunk_count={alignment_chunk_count} needs sliding_window_chunks"
+        )
+    tail = sliding_window_chunks + int(is_eagle)
+    chunks: list[int] = []
+    for segment_start in range(0, storable_chunk_count, alignment_chunk_count):
+        segment_end = min(segment_start + alignment_chunk_count, storable_chunk_count)
+        chunks.extend(range(max(segment_start, segment_end - tail), segment_end))
+    return chunks
+
+
+# --------------------------------------------------------------------------- presence scans
+
+# Backward scans over a list slice the list in blocks that grow by this factor up
+# to _MAX_BLOCK: the usual answer is a few chunks from the end (one small slice),
+# while a long absent stretch is crossed in a handful of C-level `in` tests.
+_FIRST_BLOCK = 16
+_MAX_BLOCK = 4096
+
+
+def first_absent(present: Sequence[bool], lo: int, hi: int) -> int:
+    """Smallest ``i`` in ``[lo, hi)`` whose chunk is absent, or ``hi`` if all are present.
+
+    Returns ``lo`` when ``lo >= hi``. Lists/tuples compare elements with ``== False``
+    and bytes-likes with ``== 0``: presence values must be bools (or 0/1).
+    """
+    if lo >= hi:
+        return lo
+    stop = min(hi, len(present))
+    if lo >= stop:
+        return lo  # chunks past the end of the sequence are absent
+    kind = type(present)
+    if kind is list or kind is tuple:
+        try:
+            return present.index(False, lo, stop)  # type: ignore[attr-defined]
+        except ValueError:
+            return stop
+    if kind is bytes or kind is bytearray:
+        found: int = present.find(0, lo, stop)  # type: ignore[attr-defined]
+        return stop if found < 0 else found
+    for index in range(lo, stop):
+        if not present[index]:
+            return index
+    return stop
+
+
+def last_present(present: Sequence[bool], lo: int, hi: int) -> int:
+    """Largest ``i`` in ``[lo, hi)`` whose chunk is present, or ``lo - 1`` if none is."""
+    stop = min(hi, len(present))
+    if lo >= stop:
+        return lo - 1
+    kind = type(present)
+    if kind is list or kind is tuple:
+        end = stop
+        size = _FIRST_BLOCK
+        while end > lo:
+            begin = max(lo, end - size)
+            if True in present[begin:end]:  # type: ignore[index]
+                for index in range(end - 1, begin - 1, -1):
+                    if present[index]:
+                        return index
+            end = begin
+            size = min(size * 4, _MAX_BLOCK)
+        return lo - 1
+    if kind is bytes or kind is bytearray:
+        found: int = present.rfind(1, lo, stop)  # type: ignore[attr-defined]
+        return lo - 1 if found < 0 else found
+    for index in range(stop - 1, lo - 1, -1):
+        if present[index]:
+            return index
+    return lo - 1
+
+
+def window_run_end(present: Sequence[bool], lo: int, hi: int, window: int) -> int:
+    """End (exclusive) of the last run of ``window`` present chunks inside ``[lo, hi)``.
+
+    Without such a run, the end of the run of present chunks that starts at ``lo``
+    (``lo`` itself when chunk ``lo`` is absent): the chunks before ``lo`` are already
+    on the GPU, so a shorter run there still completes the window.
+
+    The scan walks backwards with early exit. A candidate end ``r`` needs
+    ``[r - window, r)`` present; if the smallest absent chunk there is ``q``, no end
+    in ``(q, r]`` can work (each of their windows contains ``q``), so the next
+    candidate is ``q``, reached after skipping the absent stretch below it. Every
+    two steps move ``r`` down by more than ``window`` or end the scan, and each step
+    is a C-level search.
+    """
+    end = hi
+    while end - window >= lo:
+        top = last_present(present, lo, end)
+        if top < lo:
+            break
+        end = top + 1
+        if end - window < lo:
+            break
+        gap = first_absent(present, end - window, end)
+        if gap == end:
+            return end
+        end = gap
+    return first_absent(present, lo, min(hi, lo + window))
+
+
+# --------------------------------------------------------------------------- load side
+
+
+def _group_hit_end(
+    group: GroupPlan,
+    present: Sequence[bool],
+    num_tokens: int,
+    num_computed_tokens: int,
+    max_hit: int,
+) -> int:
+    """The largest hit end (tokens) ``<= max_hit`` this group can serve, or -1.
+
+    -1 means less than one chunk of this group beyond ``num_computed_tokens``: the
+    whole lookup then loads nothing (a partial chunk is never loaded).
+
+    - Only the request's full chunks (``num_tokens // tokens_per_chunk``) are ever
+      stored, so the hit is clamped to them.
+    - Mamba: the state of chunk ``i`` is the one after its last token, so a hit must
+      end exactly on this group's chunk boundary (the seed bug restored a state
+      between two stored ones); rounded down here for every mode, which also covers
+      a Mamba chunk larger than an unbounded group's chunk.
+    - Unbounded groups: the present prefix from ``num_computed_tokens // tpc``.
+    - Windowed groups: the last ``w`` present chunks ending at the hit. A hit that
+      ends inside a chunk (``max_hit`` not on this grid, e.g. ``num_tokens - 1``)
+      takes that chunk whole and needs whatever the attention of the first
+      recomputed token reaches, which can be ``w + 1`` chunks when the window starts
+      early in a chunk; if those are not all present, the hit drops to the grid.
+    - EAGLE groups query one chunk more and pop it: the chunk after the hit must be
+      present too (its own newest chunk is volatile while decoding, see
+      ``OffloadPlan.storable_chunk_count``).
+    """
+    tpc = group.tokens_per_chunk
+    full_chunks = num_tokens // tpc
+    max_hit = min(max_hit, full_chunks * tpc)
+    if group.kind is GroupKind.MAMBA:
+        max_hit -= max_hit % tpc
+    if max_hit - num_computed_tokens < tpc:
+        return -1
+    start = num_computed_tokens // tpc
+    extra = int(group.is_eagle)
+    top = -(-max_hit // tpc)  # chunk index just past the last chunk the hit touches
+    window = group.sliding_window_size_in_chunks
+    if window is None:
+        end = first_absent(present, start, min(top + extra, full_chunks))
+    else:
+        if max_hit % tpc:
+            needed = max(window, top - group.first_needed_token(max_hit) // tpc)
+            stop = top + extra
+            if (
+                stop <= full_chunks
+                and first_absent(present, max(start, top - needed), stop) == stop
+            ):
+                return max_hit
+            max_hit -= max_hit % tpc
+            top -= 1
+            if max_hit - num_computed_tokens < tpc:
+                return -1
+        end = window_run_end(present, start, min(top + extra, full_chunks), window + extra)
+    end -= extra
+    max_hit = min(max_hit, end * tpc)
+    if max_hit - num_computed_tokens < tpc:
+        return -1
+    return max_hit
+
+
+def lookup_hit_tokens(
+    plan: OffloadPlan,
+    num_tokens: int,
+    num_computed_tokens: int,
+    present: Sequence[Sequence[bool]],
+) -> int:
+    """Tokens beyond ``num_computed_tokens`` that may be loaded (see ``OffloadPlan.lookup``).
+
+    1. ``max_hit = num_tokens``; with any windowed group the last token is kept for
+       recompute (its logits) and, with ``mamba_align_tokens``, the result is rounded
+       down to it (the seed #44599 fix).
+    2. Unbounded groups first: a shorter hit never invalidates a prefix, so they are
+       visited once. Then windowed groups, widest window first.
+    3. A windowed group checked at a larger hit than the final one may not hold its
+       window before the smaller hit, so the windowed groups are visited again
+       until a pass leaves the hit unchanged after its first group (a group's check
+       is idempotent at its own result, so the first group of a pass can't be stale).
+       Each repeat strictly lowers the hit, so the loop ends.
+    Any group with less than one chunk beyond ``num_computed_tokens`` ends the
+    lookup with 0.
+    """
+    for field, value in (("num_tokens", num_tokens), ("num_computed_tokens", num_computed_tokens)):
+        _check_non_negative_int(field, value)
+    if num_computed_tokens > num_tokens:
+        raise ValueError(
+            f"num_computed_tokens {num_computed_tokens} exceeds num_tokens {num_tokens}"
+        )
+    groups = plan.groups
+    if len(present) != len(groups):
+        raise ValueError(
+            f"present has {len(present)} entries, expected one per group ({len(groups)})"
+        )
+    max_hit = num_tokens
+    windowed = plan.windowed_group_order
+    if windowed:
+        max_hit -= 1
+        if plan.mamba_align_tokens is not None:
+            max_hit -= max_hit % plan.mamba_align_tokens
+    for index in plan.unbounded_group_order:
+        max_hit = _group_hit_end(
+            groups[index], present[index], num_tokens, num_computed_tokens, max_hit
+        )
+        if max_hit < 0:
+            return 0
+    while True:
+        stable = True
+        for position, index in enumerate(windowed):
+            new_hit = _group_hit_end(
+                groups[index], present[index], num_tokens, num_computed_tokens, max_hit
+            )
+            if new_hit < 0:
+                return 0
+            if new_hit < max_hit and position > 0:
+                stable = False
+            max_hit = new_hit
+        if stable:
+            return max_hit - num_computed_tokens
