@@ -308,18 +308,18 @@ def plan_offload(
     alignment_tokens = unbounded_chunks.pop() if len(unbounded_chunks) == 1 else None
 
     mamba_align_tokens: int | None = None
-    mamba_align_label = ""
-    for spec, (_, tokens_per_chunk, _) in zip(specs, spans, strict=True):
+    mamba_align_group = ""
+    for index, (spec, (_, tokens_per_chunk, _)) in enumerate(zip(specs, spans, strict=True)):
         if not spec.requires_mamba_alignment:
             continue
         if mamba_align_tokens is not None and mamba_align_tokens != tokens_per_chunk:
             raise PlanningError(
-                f"Mamba groups in align/all mode disagree on their chunk: group "
-                f"{mamba_align_label!r} has {mamba_align_tokens} tokens, group "
-                f"{spec.label!r} has {tokens_per_chunk}; a hit cannot end on both grids"
+                f"Mamba groups in align/all mode disagree on their chunk: {mamba_align_group} "
+                f"has {mamba_align_tokens} tokens, group {index} ({spec.label!r}) has "
+                f"{tokens_per_chunk}; a hit cannot end on both grids"
             )
         mamba_align_tokens = tokens_per_chunk
-        mamba_align_label = spec.label
+        mamba_align_group = f"group {index} ({spec.label!r})"
 
     plans = tuple(
         GroupPlan(

@@ -1,0 +1,259 @@
+"""OffloadPlan.lookup and the presence scans behind it (DESIGN.md §2 load side)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from triton_offload import GroupSpec, OffloadPlan, ParallelSpec, plan_offload
+from triton_offload.lookup import first_absent, last_present, window_run_end
+
+
+def bits(count: int, present: Sequence[int]) -> list[bool]:
+    return [i in present for i in range(count)]
+
+
+class Plain(Sequence[bool]):
+    """A presence sequence of no special type: exercises the generic scan path."""
+
+    def __init__(self, values: Sequence[bool]) -> None:
+        self._values = list(values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __getitem__(self, index):  # type: ignore[no-untyped-def]
+        return self._values[index]
+
+
+def as_types(values: list[bool]) -> list[Sequence[bool]]:
+    return [values, tuple(values), bytes(values), bytearray(values), Plain(values)]
+
+
+def seed_plan() -> OffloadPlan:
+    return plan_offload(
+        [GroupSpec("full_attention", 16), GroupSpec("mamba", 16, mamba_cache_mode="align")],
+        ParallelSpec(tp_size=2, dcp_size=2),
+    )
+
+
+def swa_plan(*, is_eagle: bool = False, window: int = 8) -> OffloadPlan:
+    return plan_offload(
+        [
+            GroupSpec("full_attention", 16),
+            GroupSpec("sliding_window", 4, sliding_window=window, is_eagle=is_eagle),
+        ]
+    )
+
+
+# ---------------------------------------------------------------- worked examples
+
+
+def test_seed_lookup_is_32() -> None:
+    """63 -> 48 (Mamba round-down) -> full attention keeps 48 -> Mamba state at 32."""
+    plan = seed_plan()
+    present = [bits(2, [0, 1]), bits(4, [1, 3])]
+    for full, mamba in zip(as_types(present[0]), as_types(present[1]), strict=True):
+        assert plan.lookup(64, 0, [full, mamba]) == 32
+    # With the Mamba state at 48 stored too, the round-down still caps the hit at 48.
+    assert plan.lookup(64, 0, [bits(2, [0, 1]), bits(4, [0, 1, 2, 3])]) == 48
+    # Already computed 32 tokens: the state at 32 is on the GPU, nothing more to load.
+    assert plan.lookup(64, 32, present) == 0
+
+
+@pytest.mark.parametrize(("num_tokens", "expected"), [(32, 16), (33, 32)])
+def test_mamba_only_round_down(num_tokens: int, expected: int) -> None:
+    """Without the round-down a 32-token prompt would claim 31 tokens and restore the
+    state of token 32 at position 31 (seed #44599)."""
+    plan = plan_offload([GroupSpec("mamba", 16, mamba_cache_mode="align")])
+    assert plan.lookup(num_tokens, 0, [[True, True]]) == expected
+
+
+def test_sliding_window_example_lookup() -> None:
+    plan = swa_plan()
+    stored = [bits(2, [0, 1]), bits(8, [2, 3, 6, 7])]
+    assert plan.lookup(33, 0, stored) == 32
+    # The window before 32 is chunks 6 and 7: without chunk 6, the next full window
+    # ends at 16 (chunks 2, 3).
+    assert plan.lookup(33, 0, [bits(2, [0, 1]), bits(8, [2, 3, 7])]) == 16
+    # A prompt of exactly 32 tokens recomputes its last token: the hit ends at 31,
+    # inside SWA chunk 7, whose window [24, 31) lies in chunks 6-7.
+    assert plan.lookup(32, 0, stored) == 31
+
+
+def test_dcp_pcp_lookup_matches_dcp_only() -> None:
+    dcp = seed_plan()
+    both = plan_offload(list(s.spec for s in dcp.groups), ParallelSpec(dcp_size=2, pcp_size=2))
+    present = [bits(2, [0, 1]), bits(4, [1, 3])]
+    assert both.lookup(64, 0, present) == dcp.lookup(64, 0, present) == 32
+
+
+def test_blocks_per_chunk_lookup() -> None:
+    """Block 16, two blocks per chunk, DCP 2: full-attention chunks of 64 tokens,
+    Mamba chunks of 32."""
+    plan = plan_offload(
+        [GroupSpec("full_attention", 16), GroupSpec("mamba", 16, mamba_cache_mode="align")],
+        ParallelSpec(dcp_size=2),
+        blocks_per_chunk=2,
+    )
+    assert [g.tokens_per_chunk for g in plan.groups] == [64, 32]
+    assert plan.mamba_align_tokens == 32
+    assert plan.groups[1].alignment_chunk_count == 2
+    storable = plan.storable_chunk_count(1, 200)
+    assert plan.store_reachable_chunks(1, storable) == [1, 3, 5]
+    present = [bits(3, [0, 1, 2]), bits(6, [1, 3, 5])]
+    # 199 -> 192; full attention keeps 192; Mamba state after chunk 5 ends at 192.
+    assert plan.lookup(200, 0, present) == 192
+    assert plan.lookup(200, 64, present) == 128
+    # 128 tokens: 127 -> 96; Mamba chunk 2 (ends at 96) is not stored; chunk 1 is.
+    assert plan.lookup(128, 0, present) == 64
+
+
+# ---------------------------------------------------------------- rules
+
+
+def test_prefix_scan_counts_from_computed_chunk() -> None:
+    plan = plan_offload([GroupSpec("full_attention", 16)])
+    # Chunk 0 is absent from the pool but already on the GPU.
+    present = [bits(4, [1, 2])]
+    assert plan.lookup(64, 0, present) == 0
+    assert plan.lookup(64, 16, present) == 32
+    # 20 computed tokens: the scan starts at chunk 1 and reloads it whole.
+    assert plan.lookup(64, 20, present) == 28
+    # A gap stops the prefix.
+    assert plan.lookup(64, 16, [bits(4, [2, 3])]) == 0
+    assert plan.lookup(64, 16, [bits(4, [1, 3])]) == 16
+    # Less than one chunk beyond what is computed -> 0.
+    assert plan.lookup(64, 40, [bits(4, [0, 1, 2])]) == 0
+
+
+def test_no_windowed_group_keeps_last_token() -> None:
+    plan = plan_offload([GroupSpec("full_attention", 16)])
+    assert plan.lookup(64, 0, [[True] * 4]) == 64
+    assert plan.lookup(70, 0, [[True] * 4]) == 64  # partial chunk never stored
+
+
+def test_presence_shorter_than_request_means_absent() -> None:
+    plan = swa_plan()
+    assert plan.lookup(64, 0, [[True] * 4, [True] * 10]) == 40
+    assert plan.lookup(64, 0, [[True] * 2, [True] * 16]) == 32
+    assert plan.lookup(64, 0, [[], [True] * 16]) == 0
+
+
+def test_windowed_groups_are_rechecked_until_stable() -> None:
+    """A narrow group shrinks the hit below where the wide group checked its window."""
+    plan = plan_offload(
+        [
+            GroupSpec("sliding_window", 4, sliding_window=12, name="wide"),
+            GroupSpec("sliding_window", 4, sliding_window=4, name="narrow"),
+        ]
+    )
+    assert plan.windowed_group_order == (0, 1)
+    wide = bits(10, [2, 3, 4, 7, 8, 9])
+    narrow = bits(10, [4, 5])
+    # Wide: 40; narrow: 24; wide again at 24 needs chunks 3-5 (5 absent) -> 20;
+    # narrow at 20 holds chunk 4 -> stable at 20. Without the re-check: 24.
+    assert plan.lookup(41, 0, [wide, narrow]) == 20
+
+
+def test_window_run_at_range_start_counts() -> None:
+    """No full window run, but the GPU holds the chunks before the range."""
+    plan = plan_offload([GroupSpec("sliding_window", 4, sliding_window=12)])
+    present = [bits(10, [2, 3, 5])]
+    assert plan.lookup(41, 8, present) == 16 - 8  # run [2, 4) from start chunk 2
+    assert plan.lookup(41, 0, present) == 0  # from chunk 0, chunk 0 is absent
+
+
+def test_mid_chunk_hit_needs_the_whole_window() -> None:
+    """Full attention chunk 16 cuts the hit at 112, inside a 32-token SWA chunk; the
+    window of token 112 (64 tokens) reaches token 49, in SWA chunk 1."""
+    plan = plan_offload(
+        [GroupSpec("full_attention", 16), GroupSpec("sliding_window", 32, sliding_window=64)]
+    )
+    full = bits(8, range(7))
+    assert plan.lookup(129, 0, [full, bits(4, [1, 2, 3])]) == 112
+    # Chunks 2-3 alone are the w=2 chunks ending at the hit but miss tokens 49-63.
+    assert plan.lookup(129, 0, [full, bits(4, [0, 2, 3])]) == 32
+
+
+def test_eagle_pops_one_chunk() -> None:
+    plan = swa_plan(is_eagle=True, window=4)  # w = 1, tail w + 1 = 2
+    storable = plan.storable_chunk_count(1, 33)
+    stored = plan.store_reachable_chunks(1, storable)
+    assert stored == [2, 3, 6, 7]
+    # Run [6, 8) of w + 1 = 2 chunks, popped: the hit ends at chunk 7's start.
+    assert plan.lookup(33, 0, [bits(2, [0, 1]), bits(8, stored)]) == 28
+    # With chunk 8 stored (a longer prompt), the hit reaches the alignment boundary.
+    assert plan.lookup(37, 0, [bits(2, [0, 1]), bits(9, [6, 7, 8])]) == 32
+    # An unbounded EAGLE group also needs the chunk after its hit.
+    eagle_full = plan_offload([GroupSpec("full_attention", 16, is_eagle=True)])
+    assert eagle_full.lookup(64, 0, [[True] * 4]) == 48
+    assert eagle_full.lookup(80, 0, [[True] * 5]) == 64
+    assert eagle_full.lookup(80, 0, [[True] * 4]) == 48
+
+
+def test_mamba_round_down_when_its_chunk_is_larger() -> None:
+    """Mamba chunk 32 (mode none: no mamba_align_tokens) behind a 16-token attention
+    chunk: the hit must still end where a state is stored."""
+    plan = plan_offload([GroupSpec("full_attention", 16), GroupSpec("mamba", 32)])
+    assert plan.mamba_align_tokens is None
+    full = bits(8, [0, 1, 2])  # prefix up to 48
+    assert plan.lookup(128, 0, [full, [True] * 4]) == 32
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_lookup_bad_input() -> None:
+    plan = seed_plan()
+    present = [[True] * 2, [True] * 4]
+    with pytest.raises(ValueError, match=r"num_tokens must be >= 0, got -1"):
+        plan.lookup(-1, 0, present)
+    with pytest.raises(ValueError, match=r"num_computed_tokens must be >= 0, got -3"):
+        plan.lookup(64, -3, present)
+    with pytest.raises(ValueError, match=r"num_computed_tokens 65 exceeds num_tokens 64"):
+        plan.lookup(64, 65, present)
+    with pytest.raises(ValueError, match=r"present has 1 entries, expected one per group \(2\)"):
+        plan.lookup(64, 0, present[:1])
+    with pytest.raises(TypeError, match=r"num_tokens must be an int, got True"):
+        plan.lookup(True, 0, present)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"num_computed_tokens must be an int, got 1.5"):
+        plan.lookup(64, 1.5, present)  # type: ignore[arg-type]
+
+
+def test_empty_request() -> None:
+    assert seed_plan().lookup(0, 0, [[], []]) == 0
+
+
+# ---------------------------------------------------------------- presence scans
+
+
+@pytest.mark.parametrize("kind", range(5))
+def test_scans_agree_across_container_types(kind: int) -> None:
+    values = bits(40, [0, 1, 2, 5, 6, 7, 8, 20, 39])
+    present = as_types(values)[kind]
+    assert first_absent(present, 0, 40) == 3
+    assert first_absent(present, 5, 40) == 9
+    assert first_absent(present, 5, 9) == 9
+    assert first_absent(present, 5, 5) == 5
+    assert first_absent(present, 39, 45) == 40  # past the end is absent
+    assert first_absent(present, 41, 45) == 41
+    assert last_present(present, 0, 40) == 39
+    assert last_present(present, 0, 39) == 20
+    assert last_present(present, 21, 39) == 20  # none in range -> lo - 1
+    assert last_present(present, 0, 100) == 39
+    assert window_run_end(present, 0, 40, 4) == 9  # run [5, 9)
+    assert window_run_end(present, 0, 40, 1) == 40
+    assert window_run_end(present, 0, 8, 3) == 8  # run [5, 8)
+    assert window_run_end(present, 0, 40, 5) == 3  # no run of 5: start run [0, 3)
+    assert window_run_end(present, 3, 40, 5) == 3  # start chunk absent
+    assert window_run_end(present, 10, 20, 2) == 10
+
+
+def test_last_present_crosses_long_absent_stretch() -> None:
+    values = [False] * 10_000
+    values[3] = True
+    assert last_present(values, 0, 10_000) == 3
+    assert last_present(tuple(values), 4, 10_000) == 3
+    assert window_run_end(values, 0, 10_000, 1) == 4
