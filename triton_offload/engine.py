@@ -389,8 +389,6 @@ class TransferEngine:
         if device is None:
             device = cache_device
         device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
         if device.type != cache_device.type or (
             device.index is not None
             and cache_device.index is not None

@@ -1,0 +1,294 @@
+"""TransferEngine round trips on the CPU: the torch path and the Triton kernel (interpreter).
+
+The hybrid model: a full-attention group with K/V planes (views of one ``(2, blocks,
+...)`` tensor), a sliding-window group whose blocks have a padded stride, and a Mamba
+group with a conv and an SSM state plane of different (odd) sizes; DCP=2. Every check
+is byte-exact: source unchanged, addressed destination equal, the rest untouched.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from triton_offload import GroupSpec, ParallelSpec, plan_offload
+from triton_offload.engine import TransferEngine, TransferResult
+
+NUM_BLOCKS = 12
+NUM_HOST_BLOCKS = 9
+BACKENDS = ["torch", "triton"]
+
+
+def hybrid_plan(blocks_per_chunk: int):
+    groups = [
+        GroupSpec("full_attention", 16),
+        GroupSpec("sliding_window", 16, sliding_window=64),
+        GroupSpec("mamba", 16, mamba_cache_mode="align"),
+    ]
+    return plan_offload(groups, ParallelSpec(dcp_size=2), blocks_per_chunk=blocks_per_chunk)
+
+
+def fill_random(tensor: torch.Tensor, generator: torch.Generator) -> None:
+    """Random bytes into ``tensor`` whatever its dtype (NaN patterns included)."""
+    raw = torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage())
+    raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=generator))
+
+
+def hybrid_caches(seed: int = 0, layers: int = 2) -> tuple[list, list[torch.Tensor]]:
+    """(caches, storages): storages are the whole tensors, to snapshot every byte."""
+    generator = torch.Generator().manual_seed(seed)
+    storages: list[torch.Tensor] = []
+    attention = []
+    for _ in range(layers):
+        kv = torch.empty(2, NUM_BLOCKS, 4, 2, 8, dtype=torch.bfloat16)  # 128 B pages
+        storages.append(kv)
+        attention.append((kv[0], kv[1]))
+    window = []
+    for _ in range(layers):
+        padded = torch.empty(NUM_BLOCKS, 40, dtype=torch.float16)  # 64 B pages, stride 80 B
+        storages.append(padded)
+        window.append(padded[:, 4:36].unflatten(1, (4, 8)))
+    mamba = []
+    for _ in range(layers):
+        conv = torch.empty(NUM_BLOCKS, 3, 5, dtype=torch.float16)  # 30 B pages
+        ssm = torch.empty(NUM_BLOCKS, 4, 33, dtype=torch.float32)  # 528 B pages
+        storages += [conv, ssm]
+        mamba.append((conv, ssm))
+    for tensor in storages:
+        fill_random(tensor, generator)
+    return [attention, window, mamba], storages
+
+
+def raw_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """uint8 view of the tensor's whole storage (compare bytes: random bytes include NaNs)."""
+    return torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage())
+
+
+def snapshot(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [raw_bytes(t).clone() for t in tensors]
+
+
+def same_bytes(tensors: list[torch.Tensor], copies: list[torch.Tensor]) -> bool:
+    return all(torch.equal(raw_bytes(t), c) for t, c in zip(tensors, copies, strict=True))
+
+
+def expected_store(
+    engine: TransferEngine, pool_before: torch.Tensor, pairs: np.ndarray, offsets: np.ndarray
+) -> torch.Tensor:
+    """The pool after a store, computed page by page from the uint8 plane views."""
+    expected = pool_before.clone()
+    for group in range(engine.num_groups):
+        for gpu, row, slot in pairs[offsets[group] : offsets[group + 1]].tolist():
+            for index in engine.layout.group_planes[group]:
+                plane = engine.layout.planes[index]
+                start = plane.pool_offset + slot * plane.page_bytes
+                expected[row, start : start + plane.page_bytes] = plane.view[gpu]
+    return expected
+
+
+def store_job(blocks_per_chunk: int) -> tuple[list, list, list]:
+    """GPU blocks, host blocks and first indices of a store with partial first chunks."""
+    if blocks_per_chunk == 1:
+        gpu = [[7, 2, 9], [4, 11], [5]]
+        host = [[3, 0, 6], [8, 1], [2]]
+        first = [0, 5, 3]
+    else:
+        # Group 0 starts at slot 2 (partial first chunk), group 1 at slot 1, group 2 at 0.
+        gpu = [[7, 2, 9, 0], [4, 11], [5, 10, 3]]
+        host = [[3, 0], [8], [2]]
+        first = [5, 4, 3]
+    return gpu, host, first
+
+
+def job_bytes(caches: list, gpu_blocks: list) -> int:
+    """Bytes a job moves, from the tensors' shapes: pages of every plane of every block."""
+    per_block = []
+    for layers in caches:
+        total = 0
+        for layer in layers:
+            for tensor in layer if isinstance(layer, tuple) else (layer,):
+                total += tensor[0].numel() * tensor.element_size()
+        per_block.append(total)
+    return sum(len(blocks) * size for blocks, size in zip(gpu_blocks, per_block, strict=True))
+
+
+def make_engine(caches: list, blocks_per_chunk: int, backend: str) -> TransferEngine:
+    return TransferEngine(hybrid_plan(blocks_per_chunk), caches, NUM_HOST_BLOCKS, backend=backend)
+
+
+@pytest.mark.parametrize("blocks_per_chunk", [1, 3])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_round_trip(backend: str, blocks_per_chunk: int) -> None:
+    caches, storages = hybrid_caches()
+    engine = make_engine(caches, blocks_per_chunk, backend)
+    generator = torch.Generator().manual_seed(1)
+    engine.pool.copy_(
+        torch.randint(0, 256, engine.pool.shape, dtype=torch.uint8, generator=generator)
+    )  # poison the pool
+    pool_before = engine.pool.clone()
+    caches_before = snapshot(storages)
+
+    gpu, host, first = store_job(blocks_per_chunk)
+    assert engine.submit_store("store", gpu, host, first) is True
+    (result,) = engine.get_finished()
+    assert result.job_id == "store" and result.success
+    assert result.transfer_size == job_bytes(caches, gpu)
+    assert result.transfer_time >= 0.0
+    assert engine.get_finished() == []  # reported once
+
+    pairs, offsets = engine.last_job_table
+    assert same_bytes(storages, caches_before)
+    assert torch.equal(engine.pool, expected_store(engine, pool_before, pairs, offsets))
+
+    # Poison the stored GPU blocks, then load into other GPU blocks.
+    for group, blocks in enumerate(gpu):
+        for index in engine.layout.group_planes[group]:
+            view = engine.layout.planes[index].view
+            for block in blocks:
+                view[block] = torch.randint(
+                    0, 256, view[block].shape, dtype=torch.uint8, generator=generator
+                )
+    targets = [[1, 3, 8, 10], [0, 6], [2, 11, 7]][: len(gpu)]
+    targets = [t[: len(g)] for t, g in zip(targets, gpu, strict=True)]
+    pool_after_store = engine.pool.clone()
+    before_load = snapshot(storages)
+    assert engine.submit_load("load", host, targets, first) is True
+    (result,) = engine.get_finished()
+    assert result == TransferResult("load", True, job_bytes(caches, targets), result.transfer_time)
+    assert torch.equal(engine.pool, pool_after_store)  # the source is unchanged
+
+    touched: dict[int, set[int]] = {}
+    for group, (blocks, dest) in enumerate(zip(gpu, targets, strict=True)):
+        for index in engine.layout.group_planes[group]:
+            plane = engine.layout.planes[index]
+            touched.setdefault(index, set()).update(dest)
+            for source, target in zip(blocks, dest, strict=True):
+                original = caches_before_view(caches_before, storages, plane, source)
+                assert torch.equal(plane.view[target], original), (plane.name, source, target)
+    # Everything else in the caches is unchanged (padding bytes included).
+    for index, plane in enumerate(engine.layout.planes):
+        for block in range(NUM_BLOCKS):
+            if block in touched.get(index, set()):
+                continue
+            old = caches_before_view(before_load, storages, plane, block)
+            assert torch.equal(plane.view[block], old), (plane.name, block)
+    for storage, old in zip(storages, before_load, strict=True):
+        if storage.dim() == 2 and storage.dtype == torch.float16 and storage.shape[1] == 40:
+            rows = raw_bytes(storage).view(NUM_BLOCKS, 80)
+            old_rows = old.view(NUM_BLOCKS, 80)
+            assert torch.equal(rows[:, :8], old_rows[:, :8])  # padding of the window plane
+            assert torch.equal(rows[:, 72:], old_rows[:, 72:])
+
+
+def caches_before_view(
+    copies: list[torch.Tensor],
+    storages: list[torch.Tensor],
+    plane,
+    block: int,
+) -> torch.Tensor:
+    """Page ``block`` of ``plane`` as it was in the snapshot ``copies`` of ``storages``."""
+    for storage, copy in zip(storages, copies, strict=True):
+        start = storage.data_ptr()
+        end = start + storage.numel() * storage.element_size()
+        if start <= plane.base_address < end:
+            offset = plane.base_address - start + block * plane.block_stride
+            return copy[offset : offset + plane.page_bytes]
+    raise AssertionError(f"no storage holds {plane.name}")
+
+
+@pytest.mark.parametrize("blocks_per_chunk", [1, 3])
+def test_backends_give_identical_pool_bytes(blocks_per_chunk: int) -> None:
+    pools = {}
+    loaded = {}
+    for backend in BACKENDS:
+        caches, storages = hybrid_caches(seed=5)
+        engine = make_engine(caches, blocks_per_chunk, backend)
+        gpu, host, first = store_job(blocks_per_chunk)
+        engine.submit_store(1, gpu, host, first)
+        # Consecutive blocks and slots: merged runs on the CPU path.
+        if blocks_per_chunk == 3:
+            engine.submit_store(2, [[0, 1, 2], [], [8, 9]], [[5], [], [6]])
+            engine.submit_load(3, [[5], [8], [2]], [[4, 5, 6], [1], [0, 1]], [0, 4, 0])
+        else:
+            engine.submit_store(2, [[0, 1, 2], [], [8, 9]], [[5, 4, 7], [], [6, 1]])
+            engine.submit_load(3, [[5, 4, 7], [8], [6, 1]], [[4, 5, 6], [1], [0, 1]])
+        results = engine.get_finished()
+        assert [r.job_id for r in results] == [1, 2, 3]
+        assert all(r.success for r in results)
+        pools[backend] = engine.pool.clone()
+        loaded[backend] = snapshot(storages)
+    assert torch.equal(pools["torch"], pools["triton"])
+    assert all(torch.equal(a, b) for a, b in zip(loaded["torch"], loaded["triton"], strict=True))
+
+
+def test_job_table_is_one_row_per_block_pair_whatever_the_layers() -> None:
+    sizes = {}
+    for layers in (2, 64):
+        caches, _ = hybrid_caches(layers=layers)
+        engine = make_engine(caches, 3, "torch")
+        gpu, host, first = store_job(3)
+        engine.submit_store(0, gpu, host, first)
+        assert engine.get_finished()[0].success
+        pairs, offsets = engine.last_job_table
+        sizes[layers] = (pairs.shape, offsets.shape, engine.last_job_table_size)
+        assert len(engine.layout.planes) == 5 * layers
+    pairs_count = sum(len(g) for g in store_job(3)[0])
+    assert sizes[2] == sizes[64] == ((pairs_count, 3), (4,), pairs_count)
+
+
+def test_job_table_slots_follow_first_block_index() -> None:
+    caches, _ = hybrid_caches()
+    engine = make_engine(caches, 3, "torch")
+    engine.submit_store(0, [[7, 2, 9, 0], [4], []], [[3, 0], [8], []], [5, 7, 0])
+    pairs, offsets = engine.last_job_table
+    # Group 0: positions 2, 3, 4, 5 -> (host 3, slot 2), (host 0, slots 0..2).
+    assert pairs.tolist() == [[7, 3, 2], [2, 0, 0], [9, 0, 1], [0, 0, 2], [4, 8, 1]]
+    assert offsets.tolist() == [0, 4, 5, 5]
+
+
+def test_fifo_completion_and_wait() -> None:
+    caches, _ = hybrid_caches()
+    engine = make_engine(caches, 1, "torch")
+    for job in range(4):
+        engine.submit_store(job, [[job], [job], []], [[job], [job + 4], []])
+    engine.wait([2, 0])
+    assert [r.job_id for r in engine.get_finished()] == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="job id 2 is unknown"):
+        engine.wait([2])
+    engine.submit_store(2, [[0], [], []], [[1], [], []])  # a reported id may be reused
+    assert [r.job_id for r in engine.get_finished()] == [2]
+    engine.shutdown()
+    assert engine.submit_store(9, [[0], [], []], [[1], [], []]) is False
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_failing_job_is_reported_and_the_next_works(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    caches, _ = hybrid_caches()
+    engine = make_engine(caches, 1, backend)
+    calls = {"n": 0}
+    if backend == "torch":
+        from triton_offload import cpu_copy
+
+        target, name = cpu_copy, "copy_pages"
+    else:
+        target, name = engine._kernels, "launch_copy"
+    original = getattr(target, name)
+
+    def fail_once(*args: object, **kwargs: object) -> None:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected copy failure")
+        original(*args, **kwargs)
+
+    monkeypatch.setattr(target, name, fail_once)
+    engine.submit_store("bad", [[1], [], []], [[0], [], []])
+    engine.submit_store("good", [[2], [3], []], [[1], [2], []])
+    bad, good = engine.get_finished()
+    assert (bad.job_id, bad.success) == ("bad", False)
+    assert (good.job_id, good.success) == ("good", True)
+    plane = engine.layout.planes[0]
+    assert torch.equal(engine.pool_view(0)[1, 0], plane.view[2])
+    assert calls["n"] == 2
