@@ -1,0 +1,579 @@
+"""A serving loop over the verification model built only from the library's public pieces.
+
+``OffloadServer`` plays an inference engine with an offloading connector:
+``plan_offload`` decides what to store and how much a lookup may load,
+``HostBlockManager`` maps chunk keys to host-pool rows, and one ``TransferEngine`` per
+DCP rank moves the bytes between that rank's cache and its pool. A scenario runs a
+request cold (storing the chunks the planner calls reachable), clears the GPU cache,
+then runs a second request (the same prompt or an extension of it) that looks up, loads
+what the lookup allows, recomputes the rest and decodes; its tokens and logits must be
+bitwise those of a cold run.
+
+Testing aids (``inject=``) re-create known bugs so that a check that must fail can be
+seen failing:
+
+- ``mamba-span-dcp``: the Mamba group is planned as DCP-sharded, so its span is
+  ``block_size * dcp`` (seed: vLLM's DCP span fix); keys then name the wrong states.
+- ``no-mamba-round-down``: the Mamba group is planned as a one-token sliding window,
+  as the seed #44599 bug treated it; a hit may end between two stored states and the
+  state after the chunk's last token is restored at a position before it.
+- ``wrong-slot``: every load job hands the engine its GPU blocks rotated by one, a
+  wrong slot mapping in the data path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import itertools
+from array import array
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from triton_offload.groups import GroupKind, GroupSpec, ParallelSpec
+from triton_offload.host_blocks import HostBlockManager, StoreHandle
+from triton_offload.plan import OffloadPlan, plan_offload
+from triton_offload.verify.model import HybridCache, HybridModel, ModelConfig, RequestBlocks
+
+__all__ = [
+    "INJECTIONS",
+    "PRESETS",
+    "OffloadServer",
+    "RequestResult",
+    "Scenario",
+    "ScenarioResult",
+    "build_scenarios",
+    "chunk_keys",
+    "group_specs",
+    "run_scenarios",
+]
+
+INJECTIONS = ("mamba-span-dcp", "no-mamba-round-down", "wrong-slot")
+
+#: Model presets: layer stacks of the verification model.
+PRESETS: dict[str, tuple[str, ...]] = {
+    # full attention + sliding window + Mamba: every group kind the model has
+    "hybrid-swa": ("attention", "mamba", "sliding_window", "mamba"),
+    # full attention + Mamba, the seeds' DCP geometry
+    "hybrid": ("attention", "mamba", "attention", "mamba"),
+    # Mamba only, the seed #44599 model kind: no attention grid hides a bad round-down
+    "mamba": ("mamba", "mamba"),
+}
+
+
+@contextlib.contextmanager
+def single_thread() -> Iterator[None]:
+    """Run torch on one intra-op thread: the model's ops are tiny, and on a busy machine
+    waking a second thread costs ~1 ms per op (measured: 0.4 ms vs 3 ms per token)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def group_specs(config: ModelConfig, inject: str | None = None) -> list[GroupSpec]:
+    """The cache groups of the model as an engine would declare them (bugs via ``inject``)."""
+    specs = []
+    bs = config.block_size
+    for kind in config.group_kinds:
+        if kind == "attention":
+            specs.append(GroupSpec(GroupKind.FULL_ATTENTION, bs, name="attention"))
+        elif kind == "sliding_window":
+            specs.append(
+                GroupSpec(
+                    GroupKind.SLIDING_WINDOW,
+                    bs,
+                    sliding_window=config.sliding_window,
+                    name="sliding_window",
+                )
+            )
+        elif inject == "mamba-span-dcp":
+            specs.append(
+                GroupSpec(
+                    GroupKind.MAMBA, bs, mamba_cache_mode="align", dcp_sharded=True, name="mamba"
+                )
+            )
+        elif inject == "no-mamba-round-down":
+            specs.append(
+                GroupSpec(
+                    GroupKind.SLIDING_WINDOW, bs, sliding_window=1, dcp_sharded=False, name="mamba"
+                )
+            )
+        else:
+            specs.append(GroupSpec(GroupKind.MAMBA, bs, mamba_cache_mode="align", name="mamba"))
+    return specs
+
+
+def chunk_keys(tokens: Sequence[int], tokens_per_chunk: int, count: int) -> list[bytes]:
+    """Key of chunk ``i`` = hash of the token prefix up to the chunk's end (chained), so a
+    prompt that extends a stored one finds its chunks."""
+    keys = []
+    digest = b""
+    for i in range(count):
+        chunk = tokens[i * tokens_per_chunk : (i + 1) * tokens_per_chunk]
+        h = hashlib.sha256(digest)
+        h.update(array("q", chunk).tobytes())
+        digest = h.digest()
+        keys.append(digest)
+    return keys
+
+
+@dataclass
+class RequestResult:
+    """What one request did. ``logits[p]`` are the logits after the token at position p
+    (only positions this request computed)."""
+
+    prompt_len: int
+    generated: list[int]
+    logits: dict[int, torch.Tensor]
+    lookup_tokens: int = 0  # the planner's answer (0 when the request did no lookup)
+    loaded_tokens: int = 0  # position the prefill resumed at
+    recomputed_tokens: int = 0  # prompt tokens the model actually ran
+    load_bytes: int = 0
+    store_bytes: int = 0
+    stored_chunks: list[list[int]] = field(default_factory=list)
+    replica_mismatches: list[tuple[int, int]] = field(default_factory=list)
+
+
+class OffloadServer:
+    """One model, ``dcp`` ranks (each with its cache view, block tables and engine), one
+    host block manager shared by the ranks (a row id names the same chunk on every rank).
+
+    Args:
+        config: the model.
+        dcp: DCP ranks simulated.
+        blocks_per_chunk: GPU blocks per offloaded chunk.
+        backend: ``TransferEngine`` backend ("torch", "triton", ...).
+        max_tokens: longest request (prompt + generated) to size the GPU caches for.
+        num_host_rows: host pool rows (per rank; the manager's ``num_rows``).
+        inject: a testing aid from ``INJECTIONS`` (see the module docstring), or None.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        dcp: int = 1,
+        blocks_per_chunk: int = 1,
+        backend: str = "torch",
+        max_tokens: int = 512,
+        num_host_rows: int = 512,
+        inject: str | None = None,
+        model: HybridModel | None = None,
+    ) -> None:
+        from triton_offload.engine import TransferEngine
+
+        if inject is not None and inject not in INJECTIONS:
+            raise ValueError(f"inject {inject!r} is not one of {INJECTIONS}")
+        self.config = config
+        self.dcp = dcp
+        self.inject = inject
+        self.model = model if model is not None else HybridModel(config)
+        self.plan: OffloadPlan = plan_offload(
+            group_specs(config, inject),
+            ParallelSpec(tp_size=dcp, dcp_size=dcp),
+            blocks_per_chunk=blocks_per_chunk,
+        )
+        self.max_tokens = max_tokens
+        num_groups = len(config.group_kinds)
+        self.num_gpu_blocks = 2 * max(
+            config.blocks_per_rank(g, max_tokens, dcp) for g in range(num_groups)
+        )
+        self.cache = HybridCache(config, dcp, self.num_gpu_blocks)
+        self.manager = HostBlockManager(num_host_rows)
+        self.engines = [
+            TransferEngine(
+                self.plan,
+                self.cache.rank_caches(rank),
+                num_host_rows,
+                device="cpu",
+                backend=backend,  # type: ignore[arg-type]
+            )
+            for rank in range(dcp)
+        ]
+        self._requests = itertools.count()
+        self._jobs = itertools.count()
+
+    def close(self) -> None:
+        for engine in self.engines:
+            engine.shutdown()
+
+    def __enter__(self) -> OffloadServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def clear_gpu(self) -> None:
+        """Forget the GPU cache: every byte becomes noise that only a load can replace."""
+        self.cache.poison(seed=next(self._requests) + 1000)
+
+    def clear_host(self) -> None:
+        """Forget every stored chunk (the pool bytes stay, but no key reaches them)."""
+        self.manager.clear()
+
+    # ------------------------------------------------------------------ one request
+    def run(
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        *,
+        lookup: bool,
+        store: bool,
+    ) -> RequestResult:
+        """Prefill ``prompt`` (after loading what a lookup allows), decode greedily, store."""
+        n = len(prompt)
+        if n < 1:
+            raise ValueError("prompt is empty")
+        if n + max_new_tokens > self.max_tokens:
+            raise ValueError(
+                f"prompt of {n} tokens + {max_new_tokens} new tokens exceeds max_tokens "
+                f"{self.max_tokens}"
+            )
+        blocks = self._allocate(n + max_new_tokens)
+        result = RequestResult(prompt_len=n, generated=[], logits={})
+        resume = 0
+        if lookup:
+            hit = self._lookup(prompt)
+            result.lookup_tokens = hit
+            if hit:
+                result.load_bytes = self._load(prompt, hit, blocks)
+            # Without a windowed group a hit may cover the whole prompt; the last token
+            # is still computed for its logits (its KV is rewritten with the same bytes).
+            resume = min(hit, n - 1)
+        result.loaded_tokens = resume
+        with single_thread():
+            logits = None
+            for position in range(resume, n):
+                logits = self.model.step(prompt[position], position, self.cache, blocks)
+                result.logits[position] = logits
+                result.recomputed_tokens += 1
+            assert logits is not None
+            for position in range(n, n + max_new_tokens):
+                token = int(torch.argmax(logits))
+                result.generated.append(token)
+                if position == n + max_new_tokens - 1:
+                    break
+                logits = self.model.step(token, position, self.cache, blocks)
+                result.logits[position] = logits
+        result.replica_mismatches = list(blocks.replica_mismatches)
+        if store:
+            result.store_bytes, result.stored_chunks = self._store(prompt, blocks)
+        return result
+
+    def _allocate(self, num_tokens: int) -> RequestBlocks:
+        """Block tables per group and rank: a fresh random choice of physical blocks, so a
+        load lands in other blocks than the store read from."""
+        request = next(self._requests)
+        ids = []
+        for g in range(len(self.config.group_kinds)):
+            count = self.config.blocks_per_rank(g, num_tokens, self.dcp)
+            per_rank = []
+            for rank in range(self.dcp):
+                generator = torch.Generator().manual_seed(request * 1009 + g * 31 + rank)
+                perm = torch.randperm(self.num_gpu_blocks, generator=generator)
+                per_rank.append(perm[:count].tolist())
+            ids.append(per_rank)
+        return RequestBlocks(self.config, self.dcp, self.num_gpu_blocks, ids)
+
+    def _keys(self, prompt: Sequence[int], group: int) -> list[bytes]:
+        tpc = self.plan.groups[group].tokens_per_chunk
+        return chunk_keys(prompt, tpc, len(prompt) // tpc)
+
+    def _lookup(self, prompt: Sequence[int]) -> int:
+        present = [
+            self.manager.lookup(self._keys(prompt, g), g) for g in range(len(self.plan.groups))
+        ]
+        return self.plan.lookup(len(prompt), 0, present)
+
+    def _load_range(self, group: int, hit: int) -> tuple[int, int]:
+        """Chunks ``[lo, top)`` of ``group`` a resume at ``hit`` needs on the GPU."""
+        gp = self.plan.groups[group]
+        tpc = gp.tokens_per_chunk
+        top = -(-hit // tpc)
+        window = gp.sliding_window_size_in_chunks
+        if window is None:
+            return 0, top
+        return max(0, min(top - window, gp.first_needed_token(hit) // tpc)), top
+
+    def _load(self, prompt: Sequence[int], hit: int, blocks: RequestBlocks) -> int:
+        bpc = self.plan.blocks_per_chunk
+        handles = []
+        try:
+            for g in range(len(self.plan.groups)):
+                lo, top = self._load_range(g, hit)
+                keys = self._keys(prompt, g)[lo:top]
+                if len(keys) != top - lo:
+                    raise RuntimeError(
+                        f"lookup hit of {hit} tokens needs chunks [{lo}, {top}) of group "
+                        f"{g}, beyond the prompt's full chunks"
+                    )
+                handles.append((g, lo, self.manager.prepare_load(keys, g)))
+            total = 0
+            for rank, engine in enumerate(self.engines):
+                gpu_blocks, host_blocks, first = [], [], []
+                for g, lo, handle in handles:
+                    ids = blocks.block_ids[g][rank][lo * bpc : lo * bpc + len(handle.rows) * bpc]
+                    if self.inject == "wrong-slot" and len(ids) > 1:
+                        ids = ids[1:] + ids[:1]
+                    gpu_blocks.append(ids)
+                    host_blocks.append(list(handle.rows))
+                    first.append(lo * bpc)
+                job = ("load", next(self._jobs))
+                if not engine.submit_load(job, host_blocks, gpu_blocks, first):
+                    raise RuntimeError(f"rank {rank} engine refused load job {job}")
+                total += _finish(engine, job)
+            return total
+        finally:
+            for _, _, handle in handles:
+                self.manager.complete_load(handle)
+
+    def _store(self, prompt: Sequence[int], blocks: RequestBlocks) -> tuple[int, list[list[int]]]:
+        """Store the reachable chunks of the prompt; returns (bytes per rank summed, chunks)."""
+        bpc = self.plan.blocks_per_chunk
+        n = len(prompt)
+        granted: list[tuple[int, list[int], StoreHandle]] = []
+        stored: list[list[int]] = []
+        for g in range(len(self.plan.groups)):
+            reachable = self.plan.store_reachable_chunks(g, self.plan.storable_chunk_count(g, n))
+            keys = self._keys(prompt, g)
+            handle = self.manager.prepare_store([keys[i] for i in reachable], g)
+            if handle is None:  # pool full of chunks in use: store nothing of this group
+                stored.append([])
+                continue
+            chunks = [reachable[i] for i in handle.indices]
+            granted.append((g, chunks, handle))
+            stored.append(chunks)
+        # One job per run of consecutive chunks (the k-th run of every group together).
+        runs = {g: _runs(chunks) for g, chunks, _ in granted}
+        rows = {g: dict(zip(chunks, handle.rows, strict=True)) for g, chunks, handle in granted}
+        success = True
+        total = 0
+        for k in range(max((len(r) for r in runs.values()), default=0)):
+            for rank, engine in enumerate(self.engines):
+                gpu_blocks, host_blocks, first = [], [], []
+                for g in range(len(self.plan.groups)):
+                    group_runs = runs.get(g, [])
+                    if k >= len(group_runs):
+                        gpu_blocks.append([])
+                        host_blocks.append([])
+                        first.append(0)
+                        continue
+                    lo, top = group_runs[k]
+                    gpu_blocks.append(blocks.block_ids[g][rank][lo * bpc : top * bpc])
+                    host_blocks.append([rows[g][c] for c in range(lo, top)])
+                    first.append(lo * bpc)
+                job = ("store", next(self._jobs))
+                if not engine.submit_store(job, gpu_blocks, host_blocks, first):
+                    success = False
+                    continue
+                try:
+                    total += _finish(engine, job)
+                except RuntimeError:
+                    success = False
+        for _, _, handle in granted:
+            self.manager.complete_store(handle, success=success)
+        return total, stored
+
+
+def _runs(chunks: Sequence[int]) -> list[tuple[int, int]]:
+    """Sorted chunk indices -> ``[lo, top)`` runs of consecutive chunks."""
+    out: list[tuple[int, int]] = []
+    for c in chunks:
+        if out and out[-1][1] == c:
+            out[-1] = (out[-1][0], c + 1)
+        else:
+            out.append((c, c + 1))
+    return out
+
+
+def _finish(engine: object, job: tuple[str, int]) -> int:
+    """Wait for ``job`` and return its bytes; RuntimeError if it failed."""
+    engine.wait([job])  # type: ignore[attr-defined]
+    results = {r.job_id: r for r in engine.get_finished()}  # type: ignore[attr-defined]
+    result = results.get(job)
+    if result is None or not result.success:
+        raise RuntimeError(f"transfer job {job} failed")
+    return int(result.transfer_size)
+
+
+# ---------------------------------------------------------------------------- scenarios
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """Request 1 (``first_len`` tokens) stores; request 2 (``second_len`` tokens, same
+    prefix) loads. ``clear_host`` empties the host pool in between (every hit must
+    become a recompute)."""
+
+    name: str
+    preset: str
+    dcp: int
+    blocks_per_chunk: int
+    first_len: int
+    second_len: int
+    clear_host: bool = False
+
+
+@dataclass
+class ScenarioResult:
+    """Outcome of one scenario; ``problems`` lists every way it failed (empty: passed)."""
+
+    scenario: Scenario
+    lookup_tokens: int = 0
+    loaded_tokens: int = 0
+    recomputed_tokens: int = 0
+    load_bytes: int = 0
+    tokens_equal: bool = False
+    logits_equal: bool = False
+    max_abs_diff: float = float("nan")
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.problems
+
+    @property
+    def failure(self) -> str:
+        """Why the scenario failed, naming it ('' when it passed)."""
+        return f"{self.scenario.name}: " + "; ".join(self.problems) if self.problems else ""
+
+
+def _chunk_tokens(config: ModelConfig, dcp: int, blocks_per_chunk: int) -> int:
+    """The largest chunk of the (correct) plan: prompt lengths are placed around it."""
+    plan = plan_offload(
+        group_specs(config),
+        ParallelSpec(tp_size=dcp, dcp_size=dcp),
+        blocks_per_chunk=blocks_per_chunk,
+    )
+    return max(g.tokens_per_chunk for g in plan.groups)
+
+
+def build_scenarios(
+    presets: Sequence[str], dcps: Sequence[int], blocks_per_chunks: Sequence[int]
+) -> list[Scenario]:
+    """The matrix: for each preset, DCP size and chunk size, prompts placed around the
+    largest chunk ``C``: exactly ``2C``, ``2C + 1``, ``2C - 1``, shorter than one chunk,
+    several chunks, an extension of a stored prompt, and a run with the host pool
+    cleared between the requests."""
+    scenarios = []
+    for preset in presets:
+        config = ModelConfig(layers=PRESETS[preset])
+        for dcp in dcps:
+            for bpc in blocks_per_chunks:
+                c = _chunk_tokens(config, dcp, bpc)
+                prefix = f"{preset}/dcp{dcp}/bpc{bpc}"
+                cases = [
+                    ("boundary", 2 * c, 2 * c, False),
+                    ("boundary+1", 2 * c + 1, 2 * c + 1, False),
+                    ("boundary-1", 2 * c - 1, 2 * c - 1, False),
+                    ("short", max(1, c // 2), max(1, c // 2), False),
+                    ("several", 3 * c + c // 2 + 1, 3 * c + c // 2 + 1, False),
+                    ("extension", 2 * c + 3, 3 * c + 5, False),
+                    ("host-cleared", 2 * c + 1, 2 * c + 1, True),
+                ]
+                for label, first, second, clear in cases:
+                    scenarios.append(
+                        Scenario(f"{prefix}/{label}", preset, dcp, bpc, first, second, clear)
+                    )
+    return scenarios
+
+
+def prompt_tokens(length: int, vocab_size: int, seed: int = 1234) -> list[int]:
+    """A fixed pseudo-random prompt; prompts of one run share their prefixes."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (length,), generator=generator).tolist()
+
+
+def run_scenario(server: OffloadServer, scenario: Scenario, max_new_tokens: int) -> ScenarioResult:
+    result = ScenarioResult(scenario)
+    vocab = server.config.vocab_size
+    longest = max(scenario.first_len, scenario.second_len)
+    tokens = prompt_tokens(longest, vocab)
+    first, second = tokens[: scenario.first_len], tokens[: scenario.second_len]
+    try:
+        server.clear_host()
+        server.clear_gpu()
+        reference = None
+        if second != first:
+            reference = server.run(second, max_new_tokens, lookup=False, store=False)
+            server.clear_gpu()
+        cold = server.run(first, max_new_tokens, lookup=False, store=True)
+        reference = reference or cold
+        if scenario.clear_host:
+            server.clear_host()
+        server.clear_gpu()
+        warm = server.run(second, max_new_tokens, lookup=True, store=False)
+    except (RuntimeError, ValueError) as error:
+        result.problems.append(f"{type(error).__name__}: {error}")
+        return result
+    result.lookup_tokens = warm.lookup_tokens
+    result.loaded_tokens = warm.loaded_tokens
+    result.recomputed_tokens = warm.recomputed_tokens
+    result.load_bytes = warm.load_bytes
+    result.tokens_equal = warm.generated == reference.generated
+    result.logits_equal = all(torch.equal(warm.logits[p], reference.logits[p]) for p in warm.logits)
+    diffs = [(warm.logits[p] - reference.logits[p]).abs().max().item() for p in warm.logits]
+    result.max_abs_diff = max(diffs, default=0.0)
+    problems = result.problems
+    if not result.tokens_equal:
+        problems.append("generated tokens differ")
+    if not result.logits_equal:
+        problems.append(f"logits differ (max |diff| {result.max_abs_diff:.3g})")
+    if warm.replica_mismatches:
+        position, layer = warm.replica_mismatches[0]
+        problems.append(
+            f"Mamba state replicas differ across DCP ranks (position {position}, layer {layer})"
+        )
+    if warm.loaded_tokens + warm.recomputed_tokens != len(second):
+        problems.append(
+            f"loaded {warm.loaded_tokens} + recomputed {warm.recomputed_tokens} tokens != "
+            f"prompt length {len(second)}"
+        )
+    if warm.loaded_tokens and not warm.load_bytes:
+        problems.append(f"{warm.loaded_tokens} tokens counted as loaded but no byte moved")
+    return result
+
+
+def run_scenarios(
+    scenarios: Sequence[Scenario],
+    *,
+    backend: str = "torch",
+    inject: str | None = None,
+    max_new_tokens: int = 8,
+) -> list[ScenarioResult]:
+    """Run scenarios, one server per (preset, dcp, blocks_per_chunk)."""
+    results = []
+    key = None
+    server: OffloadServer | None = None
+    models: dict[str, HybridModel] = {}
+    try:
+        for scenario in scenarios:
+            this = (scenario.preset, scenario.dcp, scenario.blocks_per_chunk)
+            if this != key:
+                if server is not None:
+                    server.close()
+                config = ModelConfig(layers=PRESETS[scenario.preset])
+                model = models.setdefault(scenario.preset, HybridModel(config))
+                group = [x for x in scenarios if (x.preset, x.dcp, x.blocks_per_chunk) == this]
+                longest = max(max(x.first_len, x.second_len) for x in group) + max_new_tokens
+                server = OffloadServer(
+                    config,
+                    dcp=scenario.dcp,
+                    blocks_per_chunk=scenario.blocks_per_chunk,
+                    backend=backend,
+                    max_tokens=longest,
+                    inject=inject,
+                    model=model,
+                )
+                key = this
+            assert server is not None
+            results.append(run_scenario(server, scenario, max_new_tokens))
+    finally:
+        if server is not None:
+            server.close()
+    return results
