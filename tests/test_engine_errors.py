@@ -1,0 +1,161 @@
+"""Bad input: ValueError naming the value, before any byte moves; the engine stays usable."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from triton_offload import GroupSpec, plan_offload
+from triton_offload.engine import TransferEngine
+from triton_offload.pool import wrap_pool
+
+NUM_BLOCKS = 6
+HOST_BLOCKS = 4
+
+
+def two_group_plan(blocks_per_chunk: int = 2) -> Any:
+    groups = [GroupSpec("full_attention", 16), GroupSpec("mamba", 16, mamba_cache_mode="align")]
+    return plan_offload(groups, blocks_per_chunk=blocks_per_chunk)
+
+
+def make_caches() -> list:
+    generator = torch.Generator().manual_seed(3)
+    kv = torch.randn(2, NUM_BLOCKS, 4, 8, generator=generator)
+    conv = torch.randn(NUM_BLOCKS, 3, 5, generator=generator).half()
+    ssm = torch.randn(NUM_BLOCKS, 2, 9, generator=generator)
+    return [[(kv[0], kv[1])], [(conv, ssm)]]
+
+
+@pytest.fixture
+def engine() -> TransferEngine:
+    return TransferEngine(two_group_plan(), make_caches(), HOST_BLOCKS, backend="torch")
+
+
+def raw(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage()).clone()
+
+
+def state(engine: TransferEngine) -> list[torch.Tensor]:
+    views = [raw(plane.view) for plane in engine.layout.planes]
+    return [engine.pool.clone(), *views]
+
+
+def assert_rejected(engine: TransferEngine, call: Callable[[], Any], match: str) -> None:
+    """``call`` raises ValueError matching ``match``, moves no byte; the engine still works."""
+    engine.pool.copy_(torch.randint(0, 256, engine.pool.shape, dtype=torch.uint8))
+    before = state(engine)
+    with pytest.raises(ValueError, match=match):
+        call()
+    after = state(engine)
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    assert engine.get_finished() == []
+    # Still usable, including the job id of a rejected job.
+    assert engine.submit_store(7, [[0, 1], [2]], [[3], [1]])
+    (result,) = engine.get_finished()
+    assert result.job_id == 7 and result.success
+    plane = engine.layout.planes[0]
+    assert torch.equal(engine.pool_view(0)[3, 1], plane.view[1])
+
+
+def test_reused_in_flight_job_id(engine: TransferEngine) -> None:
+    assert engine.submit_store(1, [[0], []], [[0], []])
+
+    def reuse() -> None:
+        engine.submit_load(1, [[0], []], [[2], []])
+
+    with pytest.raises(ValueError, match="job id 1 is already in flight"):
+        reuse()
+    assert [r.job_id for r in engine.get_finished()] == [1]
+    assert_rejected(engine, lambda: engine.wait([12345]), "job id 12345 is unknown")
+
+
+def test_unhashable_job_id(engine: TransferEngine) -> None:
+    assert_rejected(engine, lambda: engine.submit_store([1], [[0], []], [[0], []]), "hashable")
+
+
+@pytest.mark.parametrize(
+    ("gpu", "host", "first", "match"),
+    [
+        ([[0]], [[0], []], None, "gpu_blocks has 1 groups but the engine has 2"),
+        ([[0], []], [[0], [], []], None, "host_blocks has 3 groups"),
+        ([[0], []], [[0], []], [0], "first_block_index has 1 groups"),
+        ([[0, 6], []], [[0], []], None, r"GPU block id 6 of group 0 out of range \[0, 6\)"),
+        ([[], [-1]], [[], [0]], None, r"GPU block id -1 of group 1 out of range"),
+        ([[0], []], [[4], []], None, r"host block id 4 of group 0 out of range \[0, 4\)"),
+        ([[0], []], [[-2], []], None, r"host block id -2 of group 0 out of range"),
+        ([[0, 1, 2], []], [[0], []], None, "3 GPU blocks starting at slot 0 need 2 host chunks"),
+        ([[0, 1], []], [[0], []], [1, 0], "2 GPU blocks starting at slot 1 need 2 host chunks"),
+        ([[0], []], [[0], []], [-1, 0], r"first_block_index\[0\] -1 is negative"),
+        ([[0], []], [[0], []], [0.5, 0], r"first_block_index\[0\] 0.5 is not an int"),
+        ([[0.0], []], [[0], []], None, r"gpu_blocks\[0\] must hold integer ids"),
+        ([[[0]], []], [[0], []], None, r"gpu_blocks\[0\] must be a 1-d sequence"),
+        ([[0, 1, 2], []], [[1, 1], []], None, "pool row 1 slot 0"),  # two pages, one slot
+        ([[0], [1]], [[2], [2]], None, "pool row 2 is written by groups 0 and 1"),
+    ],
+)
+def test_bad_store(
+    engine: TransferEngine, gpu: list, host: list, first: list | None, match: str
+) -> None:
+    assert_rejected(engine, lambda: engine.submit_store(5, gpu, host, first), match)
+
+
+def test_bad_load(engine: TransferEngine) -> None:
+    assert_rejected(
+        engine,
+        lambda: engine.submit_load(5, [[0, 1], []], [[2, 3, 2], []]),
+        "both write GPU block id 2",
+    )
+    assert_rejected(
+        engine,
+        lambda: engine.submit_load(5, [[0], []], [[9], []]),
+        r"GPU block id 9 of group 0 out of range",
+    )
+
+
+def test_bad_caches() -> None:
+    plan = two_group_plan()
+    caches = make_caches()
+    with pytest.raises(ValueError, match="caches has 1 groups but the plan has 2"):
+        TransferEngine(plan, caches[:1], HOST_BLOCKS)
+    with pytest.raises(ValueError, match="group 1 layer 0 plane 1 has 5 blocks"):
+        TransferEngine(plan, [caches[0], [(caches[1][0][0], torch.zeros(5, 4))]], HOST_BLOCKS)
+    transposed = torch.zeros(NUM_BLOCKS, 8, 4).transpose(1, 2)
+    with pytest.raises(ValueError, match="group 0 layer 1 plane 0: the bytes of one block"):
+        TransferEngine(plan, [[caches[0][0], transposed], caches[1]], HOST_BLOCKS)
+    with pytest.raises(ValueError, match="caches are on cpu but device is cuda"):
+        TransferEngine(plan, caches, HOST_BLOCKS, device="cuda")
+    with pytest.raises(ValueError, match="backend 'dma' needs CUDA caches"):
+        TransferEngine(plan, caches, HOST_BLOCKS, backend="dma")
+    with pytest.raises(ValueError, match="backend 'cuda' is not one of"):
+        TransferEngine(plan, caches, HOST_BLOCKS, backend="cuda")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="num_host_blocks 0 must be >= 1"):
+        TransferEngine(plan, caches, 0)
+
+
+def test_pool_argument() -> None:
+    plan = two_group_plan()
+    engine = TransferEngine(plan, make_caches(), HOST_BLOCKS, backend="torch")
+    pool = torch.zeros(HOST_BLOCKS, engine.row_bytes, dtype=torch.uint8)
+    mine = TransferEngine(plan, make_caches(), HOST_BLOCKS, backend="torch", pool=pool)
+    assert mine.pool.data_ptr() == pool.data_ptr()
+    with pytest.raises(ValueError, match=r"pool must be a uint8 tensor of shape \(4, "):
+        TransferEngine(plan, make_caches(), HOST_BLOCKS, pool=pool[:3])
+    # With CUDA, a pageable CPU pool is rejected (checked without a GPU here).
+    with pytest.raises(ValueError, match="pool is pageable host memory"):
+        wrap_pool(pool, rows=HOST_BLOCKS, row_bytes=engine.row_bytes, cuda=True)
+
+
+def test_triton_on_cpu_needs_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    plan = two_group_plan()
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="set TRITON_INTERPRET=1"):
+        TransferEngine(plan, make_caches(), HOST_BLOCKS, backend="triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from triton_offload.kernels import copy_blocks
+
+    monkeypatch.setattr(copy_blocks, "_INTERPRETED", False)
+    with pytest.raises(ValueError, match="imported before TRITON_INTERPRET=1 was set"):
+        TransferEngine(plan, make_caches(), HOST_BLOCKS, backend="triton")
