@@ -1,0 +1,91 @@
+"""The memmove CPU path against the plain torch reference, byte for byte."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from triton_offload.kernels.copy_blocks import CopyLayout, Direction
+
+from triton_offload import cpu_copy
+from triton_offload.layout import build_layout
+from triton_offload.reference import reference_copy
+
+
+def test_page_runs_merge_pages_adjacent_on_both_sides() -> None:
+    cache = np.array([100, 110, 120, 200, 210, 300], dtype=np.int64)
+    pool = np.array([0, 10, 20, 30, 45, 55], dtype=np.int64)
+    starts_cache, starts_pool, lengths = cpu_copy.page_runs(cache, pool, 10)
+    # 100-120 / 0-20 merge; 200 follows 120 in the pool but not in the cache; 210 follows
+    # 200 in the cache but not in the pool (45 != 40); 300 follows 45 -> 55 in the pool only.
+    assert starts_cache.tolist() == [100, 200, 210, 300]
+    assert starts_pool.tolist() == [0, 30, 45, 55]
+    assert lengths.tolist() == [30, 10, 10, 10]
+    empty = cpu_copy.page_runs(np.zeros(0, np.int64), np.zeros(0, np.int64), 10)
+    assert [a.size for a in empty] == [0, 0, 0]
+
+
+def random_bytes(tensor: torch.Tensor, seed: int) -> None:
+    raw = torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage())
+    generator = torch.Generator().manual_seed(seed)
+    raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=generator))
+
+
+def storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage()).clone()
+
+
+@pytest.mark.parametrize("direction", [cpu_copy.TO_POOL, cpu_copy.FROM_POOL])
+def test_copy_pages_matches_reference(direction: int) -> None:
+    blocks_per_chunk = 4
+    results = []
+    for path in ("memmove", "reference"):
+        contiguous = torch.empty(16, 3, 7, dtype=torch.float16)  # 42 B pages, runs merge
+        padded_storage = torch.empty(16, 50, dtype=torch.uint8)
+        padded = padded_storage[:, 3:40]  # 37 B pages, 50 B stride: never merged
+        small = torch.empty(16, 5, dtype=torch.uint8)
+        for seed, tensor in enumerate((contiguous, padded_storage, small)):
+            random_bytes(tensor, seed)
+        layout = build_layout(
+            [[contiguous, padded], [small]], num_groups=2, blocks_per_chunk=blocks_per_chunk
+        )
+        pool = torch.randint(
+            0,
+            256,
+            (5, layout.row_bytes),
+            dtype=torch.uint8,
+            generator=torch.Generator().manual_seed(9),
+        )
+        # Group 0: blocks 3,4,5 -> row 2 slots 1..3 (a run), 9 -> row 0 slot 0; group 1.
+        pairs = np.array(
+            [[3, 2, 1], [4, 2, 2], [5, 2, 3], [9, 0, 0], [7, 4, 0], [8, 4, 1], [0, 1, 3]],
+            dtype=np.int64,
+        )
+        offsets = np.array([0, 4, 7], dtype=np.int64)
+        if path == "memmove":
+            moved = cpu_copy.copy_pages(
+                layout, pool.data_ptr(), layout.row_bytes, pairs, offsets, direction
+            )
+            assert moved == 4 * (42 + 37) + 3 * 5
+        else:
+            copy_layout = CopyLayout.build(
+                layout.geometries(),
+                num_groups=2,
+                blocks_per_chunk=blocks_per_chunk,
+                pool_row_bytes=layout.row_bytes,
+                pool_rows=5,
+                device="cpu",
+            )
+            reference_copy(
+                [plane.view for plane in layout.planes],
+                copy_layout,
+                torch.from_numpy(pairs),
+                torch.from_numpy(offsets),
+                pool,
+                Direction(direction),
+            )
+        results.append(
+            [pool.clone(), *(storage_bytes(t) for t in (contiguous, padded_storage, small))]
+        )
+    memmove, reference = results
+    assert all(torch.equal(a, b) for a, b in zip(memmove, reference, strict=True))
