@@ -1,0 +1,276 @@
+"""Bad geometry and bad pair tables are rejected with an error naming the value, before launch."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from triton_offload.kernels.copy_blocks import (
+    CopyLayout,
+    Direction,
+    PlaneGeometry,
+    copy_blocks,
+    validate_pairs,
+)
+
+from triton_offload.reference import byte_plane
+
+BPC = 2
+ROWS = 6
+
+
+def plane(**overrides: int) -> PlaneGeometry:
+    fields = dict(
+        group=0, base_address=1 << 20, block_stride=256, page_bytes=256, num_blocks=8, pool_offset=0
+    )
+    fields.update(overrides)
+    return PlaneGeometry(**fields)
+
+
+def build(planes: list[PlaneGeometry], **overrides: object) -> CopyLayout:
+    kwargs: dict[str, object] = dict(
+        num_groups=2, blocks_per_chunk=BPC, pool_row_bytes=1024, pool_rows=ROWS, device="cpu"
+    )
+    kwargs.update(overrides)
+    return CopyLayout.build(planes, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def layout() -> CopyLayout:
+    # Group 0: two planes (8 blocks), group 1: one plane of 5 blocks in separate memory.
+    return build(
+        [
+            plane(),
+            plane(base_address=1 << 21, pool_offset=BPC * 256),
+            plane(group=1, base_address=1 << 22, page_bytes=100, num_blocks=5),
+        ]
+    )
+
+
+GOOD_PAIRS = [[1, 0, 0], [3, 0, 1], [2, 4, 1]]
+GOOD_OFFSETS = [0, 2, 3]
+
+
+def check(layout: CopyLayout, pairs: list[list[int]], offsets: list[int], direction: int) -> None:
+    validate_pairs(layout, torch.tensor(pairs).reshape(-1, 3), torch.tensor(offsets), direction)
+
+
+def test_good_tables_pass(layout: CopyLayout) -> None:
+    for direction in Direction:
+        check(layout, GOOD_PAIRS, GOOD_OFFSETS, direction)
+        validate_pairs(layout, np.array(GOOD_PAIRS), np.array(GOOD_OFFSETS), direction)
+
+
+# ---- ids, rows and slots out of range -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("pair", "group", "message"),
+    [
+        ([-1, 0, 0], 0, r"GPU block id -1 at pair 0 \(group 0\) out of range \[0, 8\)"),
+        ([8, 0, 0], 0, r"GPU block id 8 at pair 0 \(group 0\) out of range \[0, 8\)"),
+        # Group 1's plane has 5 blocks: id 5 is fine for group 0 but not for group 1.
+        ([5, 0, 0], 1, r"GPU block id 5 at pair 0 \(group 1\) out of range \[0, 5\)"),
+        ([0, -2, 0], 0, r"pool row -2 at pair 0 \(group 0\) out of range \[0, 6\)"),
+        ([0, 6, 0], 0, r"pool row 6 at pair 0 \(group 0\) out of range \[0, 6\)"),
+        ([0, 0, -1], 1, r"slot -1 at pair 0 \(group 1\) out of range \[0, 2\)"),
+        ([0, 0, 2], 0, r"slot 2 at pair 0 \(group 0\) out of range \[0, 2\)"),
+    ],
+)
+def test_ids_out_of_range(layout: CopyLayout, pair: list[int], group: int, message: str) -> None:
+    offsets = [0, 1, 1] if group == 0 else [0, 0, 1]
+    for direction in Direction:
+        with pytest.raises(ValueError, match=message):
+            check(layout, [pair], offsets, direction)
+
+
+def test_error_names_the_first_bad_pair(layout: CopyLayout) -> None:
+    with pytest.raises(ValueError, match=r"GPU block id 99 at pair 2 \(group 1\)"):
+        check(layout, [[0, 0, 0], [1, 1, 0], [99, 2, 0]], [0, 2, 3], Direction.TO_POOL)
+
+
+# ---- table shapes and group offsets --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("offsets", "message"),
+    [
+        ([0, 2], r"group_offsets must have shape \[3\]"),
+        ([0, 1, 2, 3], r"group_offsets must have shape \[3\]"),
+        ([1, 2, 3], r"group_offsets\[0\] is 1"),
+        ([0, 3, 2], r"group_offsets decrease at group 1: 3 then 2"),
+        ([0, 2, 4], r"group_offsets\[-1\] is 4 but pairs has 3 rows"),
+        ([0, 1, 2], r"group_offsets\[-1\] is 2 but pairs has 3 rows"),
+    ],
+)
+def test_mismatched_table_lengths(layout: CopyLayout, offsets: list[int], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        check(layout, GOOD_PAIRS, offsets, Direction.TO_POOL)
+
+
+def test_pairs_shape_and_dtype(layout: CopyLayout) -> None:
+    with pytest.raises(ValueError, match=r"pairs must have shape \[n, 3\], got \(3, 2\)"):
+        validate_pairs(layout, torch.zeros(3, 2, dtype=torch.int64), torch.tensor([0, 3, 3]), 0)
+    with pytest.raises(TypeError, match=r"pairs must hold integers, got torch\.float32"):
+        validate_pairs(layout, torch.zeros(3, 3), torch.tensor([0, 3, 3]), 0)
+    with pytest.raises(TypeError, match="group_offsets must hold integers, got float64"):
+        validate_pairs(layout, np.zeros((3, 3), dtype=np.int64), np.array([0.0, 3.0, 3.0]), 0)
+
+
+def test_bad_direction(layout: CopyLayout) -> None:
+    with pytest.raises(ValueError, match="direction 2 is not a Direction"):
+        check(layout, GOOD_PAIRS, GOOD_OFFSETS, 2)
+
+
+# ---- two pairs writing the same destination page -------------------------------------
+
+
+def test_store_to_the_same_pool_page_twice(layout: CopyLayout) -> None:
+    pairs = [[1, 0, 0], [3, 4, 1], [5, 4, 1], [2, 3, 1]]
+    with pytest.raises(ValueError, match=r"pairs 1 and 2 both write pool row 4 slot 1 \(group 0\)"):
+        check(layout, pairs, [0, 3, 4], Direction.TO_POOL)
+    # Loading one pool page into two GPU blocks is fine.
+    check(layout, pairs, [0, 3, 4], Direction.FROM_POOL)
+
+
+def test_load_into_the_same_gpu_block_twice(layout: CopyLayout) -> None:
+    pairs = [[1, 0, 0], [3, 1, 0], [1, 2, 0], [1, 3, 1]]
+    with pytest.raises(ValueError, match=r"pairs 0 and 2 both write GPU block id 1 \(group 0\)"):
+        check(layout, pairs, [0, 3, 4], Direction.FROM_POOL)
+    # Storing one GPU block into two pool pages is fine; block 1 of group 1 is other memory.
+    check(layout, pairs, [0, 3, 4], Direction.TO_POOL)
+
+
+def test_load_into_the_same_block_of_two_aliasing_groups() -> None:
+    # Groups 0 and 1 share one cache tensor: block 3 of both is the same memory.
+    aliasing = build([plane(), plane(group=1, page_bytes=128)])
+    assert aliasing.cache_alias_groups == ((0, 1),)
+    pairs = [[3, 0, 0], [3, 1, 0]]
+    with pytest.raises(ValueError, match="GPU block id 3 is written by groups 0 and 1"):
+        check(aliasing, pairs, [0, 1, 2], Direction.FROM_POOL)
+    check(aliasing, [[3, 0, 0], [4, 1, 0]], [0, 1, 2], Direction.FROM_POOL)
+
+
+def test_interleaved_planes_of_two_groups_do_not_alias() -> None:
+    # K pages at even 256-byte slots, V pages at odd ones: same range, no shared byte.
+    interleaved = build(
+        [plane(block_stride=512), plane(group=1, base_address=(1 << 20) + 256, block_stride=512)]
+    )
+    assert interleaved.cache_alias_groups == ()
+    check(interleaved, [[3, 0, 0], [3, 1, 0]], [0, 1, 2], Direction.FROM_POOL)
+
+
+def test_store_into_one_row_from_two_groups_sharing_row_bytes(layout: CopyLayout) -> None:
+    # Both groups' planes start at byte 0 of a row: one row cannot hold chunks of both.
+    assert layout.pool_shared_groups == ((0, 1),)
+    with pytest.raises(ValueError, match="pool row 4 is written by groups 0 and 1"):
+        check(layout, [[1, 4, 0], [2, 4, 1]], [0, 1, 2], Direction.TO_POOL)
+    disjoint = build([plane(), plane(group=1, base_address=1 << 22, pool_offset=BPC * 256)])
+    assert disjoint.pool_shared_groups == ()
+    check(disjoint, [[1, 4, 0], [2, 4, 1]], [0, 1, 2], Direction.TO_POOL)
+
+
+# ---- geometry that does not fit ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("planes", "message"),
+    [
+        ([plane(group=2)], r"plane 0 group 2 out of range \[0, 2\)"),
+        ([plane(group=-1)], "plane 0 group -1 must be >= 0"),
+        ([plane(group=1), plane(base_address=1 << 22)], "plane 1 group 0 follows group 1"),
+        ([plane(page_bytes=0)], "plane 0 page_bytes 0 must be >= 1"),
+        ([plane(num_blocks=0)], "plane 0 num_blocks 0 must be >= 1"),
+        ([plane(block_stride=0)], "plane 0 block_stride 0 must be >= 1"),
+        ([plane(block_stride=200)], "plane 0 block_stride 200 is smaller than page_bytes 256"),
+        ([plane(base_address=0)], "plane 0 base_address 0 must be >= 1"),
+        ([plane(pool_offset=-4)], "plane 0 pool_offset -4 must be >= 0"),
+        (
+            [plane(pool_offset=600)],
+            r"plane 0 pool_offset 600 \+ 2 slots x 256 bytes exceeds pool_row_bytes 1024",
+        ),
+        (
+            [plane(), plane(base_address=1 << 22, pool_offset=300)],
+            r"plane 1 pool_offset 300 overlaps plane 0's slots \(ending at byte 512\)",
+        ),
+        ([plane(base_address=(1 << 63) - 100)], "plane 0 address range overflows int64"),
+    ],
+)
+def test_bad_plane_geometry(planes: list[PlaneGeometry], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        build(planes)
+
+
+def test_bad_layout_sizes() -> None:
+    with pytest.raises(ValueError, match="blocks_per_chunk 0 must be >= 1"):
+        build([plane()], blocks_per_chunk=0)
+    with pytest.raises(ValueError, match="num_groups 0 must be >= 1"):
+        build([plane()], num_groups=0)
+    with pytest.raises(ValueError, match="pool_rows 0 must be >= 1"):
+        build([plane()], pool_rows=0)
+    with pytest.raises(TypeError, match=r"plane 0 page_bytes must be an int, got 256\.0"):
+        build([dataclasses.replace(plane(), page_bytes=256.0)])
+    with pytest.raises(TypeError, match="plane 0 must be a PlaneGeometry"):
+        build([(0, 1, 2, 3, 4, 5)])  # type: ignore[list-item]
+
+
+def test_views_whose_pages_do_not_fit_their_tensors() -> None:
+    cache = torch.zeros(4, 64, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="block stride 16 bytes is smaller than its page of 64"):
+        PlaneGeometry.of_view(cache.as_strided((4, 64), (16, 1)), group=0, pool_offset=0)
+    with pytest.raises(ValueError, match=r"page is not contiguous: stride \(1, 4\)"):
+        PlaneGeometry.of_view(cache.as_strided((4, 16), (1, 4)), group=0, pool_offset=0)
+    with pytest.raises(ValueError, match=r"must be uint8 \[num_blocks, page_bytes\], got torch.f"):
+        PlaneGeometry.of_view(torch.zeros(4, 4), group=0, pool_offset=0)
+    with pytest.raises(ValueError, match="page_bytes 65 does not fit a block region of 64 bytes"):
+        byte_plane(cache, page_bytes=65)
+    with pytest.raises(ValueError, match="page_bytes 0 does not fit"):
+        byte_plane(cache, page_bytes=0)
+    with pytest.raises(ValueError, match=r"per-block region of shape .* is not contiguous"):
+        byte_plane(torch.zeros(4, 8, 8).transpose(1, 2))
+
+
+# ---- copy_blocks: the pool tensor, and nothing moves on error --------------------------
+
+
+def real_layout(cache: torch.Tensor) -> CopyLayout:
+    return CopyLayout.build(
+        [PlaneGeometry.of_view(byte_plane(cache), group=0, pool_offset=0)],
+        num_groups=1,
+        blocks_per_chunk=BPC,
+        pool_row_bytes=BPC * 32,
+        pool_rows=ROWS,
+        device="cpu",
+    )
+
+
+def test_pool_that_does_not_fit() -> None:
+    cache = torch.arange(8 * 32, dtype=torch.int32).to(torch.uint8).reshape(8, 32)
+    layout = real_layout(cache)
+    pairs, offsets = torch.tensor([[0, 0, 0]]), torch.tensor([0, 1])
+    small = torch.zeros(ROWS * BPC * 32 - 1, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="pool holds 383 bytes, the layout needs 6 rows x 64"):
+        copy_blocks(layout, pairs, offsets, small, Direction.TO_POOL)
+    strided = torch.zeros(ROWS, 2 * BPC * 32, dtype=torch.uint8)[:, ::2]
+    with pytest.raises(ValueError, match="pool must be contiguous"):
+        copy_blocks(layout, pairs, offsets, strided, Direction.TO_POOL)
+    with pytest.raises(TypeError, match=r"pool must be a torch\.Tensor, got ndarray"):
+        copy_blocks(layout, pairs, offsets, np.zeros(1024, np.uint8), 0)  # type: ignore[arg-type]
+    pool = torch.zeros(ROWS, BPC * 32, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="num_programs 0 must be >= 1"):
+        copy_blocks(layout, pairs, offsets, pool, Direction.TO_POOL, num_programs=0)
+
+
+@pytest.mark.parametrize("direction", list(Direction))
+def test_nothing_moves_when_the_last_pair_is_bad(direction: Direction) -> None:
+    cache = torch.arange(8 * 32, dtype=torch.int32).to(torch.uint8).reshape(8, 32)
+    layout = real_layout(cache)
+    pool = torch.full((ROWS, BPC * 32), 0xEE, dtype=torch.uint8)
+    cache_before, pool_before = cache.clone(), pool.clone()
+    pairs = torch.tensor([[0, 0, 0], [1, 0, 1], [2, 1, 0], [3, ROWS, 0]])
+    with pytest.raises(ValueError, match="pool row 6 at pair 3"):
+        copy_blocks(layout, pairs, torch.tensor([0, 4]), pool, direction)
+    assert torch.equal(cache, cache_before)
+    assert torch.equal(pool, pool_before)
