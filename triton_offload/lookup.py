@@ -272,7 +272,9 @@ def lookup_hit_tokens(
 
     1. ``max_hit = num_tokens``; with any windowed group the last token is kept for
        recompute (its logits) and, with ``mamba_align_tokens``, the result is rounded
-       down to it (the seed #44599 fix).
+       down to it (the seed #44599 fix). Each Mamba group rounds down to its own
+       grid again when visited (``_group_hit_end``), which also covers a hit cut by a
+       later group; rounding here first keeps the unbounded groups' scans short.
     2. Unbounded groups first: a shorter hit never invalidates a prefix, so they are
        visited once. Then windowed groups, widest window first.
     3. A windowed group checked at a larger hit than the final one may not hold its
@@ -282,6 +284,12 @@ def lookup_hit_tokens(
        Each repeat strictly lowers the hit, so the loop ends.
     Any group with less than one chunk beyond ``num_computed_tokens`` ends the
     lookup with 0.
+
+    Each group's check maps a bound ``M`` to the largest hit end ``<= M`` it can
+    serve; that map is monotone, never raises ``M`` and is idempotent, so the loop
+    reaches the largest hit end every group accepts. The visit order therefore only
+    decides how fast it gets there (unbounded groups and wide windows cut the most
+    first), never the result: permuting the groups gives the same answer.
     """
     for field, value in (("num_tokens", num_tokens), ("num_computed_tokens", num_computed_tokens)):
         _check_non_negative_int(field, value)
@@ -318,4 +326,9 @@ def lookup_hit_tokens(
                 stable = False
             max_hit = new_hit
         if stable:
-            return max_hit - num_computed_tokens
+            break
+    # Unbounded groups are not re-visited, so one whose chunk is larger than the final
+    # hit's reach is checked here: every group must gain at least one chunk.
+    if max_hit - num_computed_tokens < plan.max_tokens_per_chunk:
+        return 0
+    return max_hit - num_computed_tokens

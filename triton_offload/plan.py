@@ -118,6 +118,8 @@ class OffloadPlan:
     # in index order, then windowed groups widest window first (ties by index).
     unbounded_group_order: tuple[int, ...] = field(init=False, repr=False, compare=False)
     windowed_group_order: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    # The smallest hit worth loading: every group must gain at least one chunk.
+    max_tokens_per_chunk: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         unbounded = tuple(i for i, g in enumerate(self.groups) if not g.is_windowed)
@@ -127,6 +129,9 @@ class OffloadPlan:
         )
         object.__setattr__(self, "unbounded_group_order", unbounded)
         object.__setattr__(self, "windowed_group_order", tuple(windowed))
+        object.__setattr__(
+            self, "max_tokens_per_chunk", max(g.tokens_per_chunk for g in self.groups)
+        )
 
     def _group(self, group_index: int) -> GroupPlan:
         if isinstance(group_index, bool) or not isinstance(group_index, int):
