@@ -421,6 +421,15 @@ class TransferEngine:
         # pair tables of every backend, so all paths reject exactly the same jobs.
         self._kernels: Any = self._import_kernels(backend)
 
+        self.copy_layout: Any = self._kernels.CopyLayout.build(
+            self.layout.geometries(),
+            num_groups=num_groups,
+            blocks_per_chunk=self.blocks_per_chunk,
+            pool_row_bytes=self.row_bytes,
+            pool_rows=num_host_blocks,
+            device=self.device,
+        )
+
         if pool is None:
             self._pool: HostPool = allocate_pool(
                 num_host_blocks, self.row_bytes, pinned=self.cuda, piece_bytes=pool_piece_bytes
@@ -431,15 +440,6 @@ class TransferEngine:
             )
         self.pool: torch.Tensor = self._pool.tensor
         self.pool_address: int = self._pool.device_address
-
-        self.copy_layout: Any = self._kernels.CopyLayout.build(
-            self.layout.geometries(),
-            num_groups=num_groups,
-            blocks_per_chunk=self.blocks_per_chunk,
-            pool_row_bytes=self.row_bytes,
-            pool_rows=num_host_blocks,
-            device=self.device,
-        )
 
         # Pages per block pair and bytes per block pair, per group: the job size is
         # O(pairs) to compute whatever the number of layers.
@@ -453,6 +453,7 @@ class TransferEngine:
         self._finished: deque[_Job] = deque()  # CPU: completed in submit order
         self._closed = False
         self.last_job_table: tuple[np.ndarray, np.ndarray] | None = None
+        self.last_job_backend: str | None = None
 
         self._streams: dict[int, Any] = {}
         self._staging = _StagingRing()
@@ -624,6 +625,7 @@ class TransferEngine:
             assert self.crossover is not None
             backend = self.crossover.choose(direction, size / max(pages, 1), pages)
         self.last_job_table = (pairs, offsets)
+        self.last_job_backend = backend
         job = _Job(job_id, direction, backend, size)
         self._active[job_id] = job
         if self.cuda:
@@ -669,7 +671,7 @@ class TransferEngine:
         job.end = torch.cuda.Event(enable_timing=True)
         staging_index: int | None = None
         try:
-            with torch.cuda.stream(stream):
+            with torch.cuda.device(self.device), torch.cuda.stream(stream):
                 stream.wait_event(ready)
                 job.start.record(stream)
                 if job.backend == "triton":

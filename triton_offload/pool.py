@@ -17,6 +17,7 @@ loaded (found in ``/proc/self/maps``), falling back to the driver API in
 from __future__ import annotations
 
 import ctypes
+import mmap
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -205,12 +206,18 @@ def allocate_pool(
         raise ValueError(f"row_bytes {row_bytes} must be >= 1")
     if piece_bytes < 1:
         raise ValueError(f"piece_bytes {piece_bytes} must be >= 1")
-    tensor = torch.zeros((rows, row_bytes), dtype=torch.uint8)
     if not pinned:
+        tensor = torch.zeros((rows, row_bytes), dtype=torch.uint8)
         return HostPool(tensor=tensor, device_address=tensor.data_ptr(), pinned=False)
+    # Page-aligned start and page-multiple pieces: no page is shared by two registrations.
+    page = mmap.PAGESIZE
+    piece_bytes = (piece_bytes + page - 1) // page * page
+    total = rows * row_bytes
+    backing = torch.zeros(total + page, dtype=torch.uint8)
+    skip = -backing.data_ptr() % page
+    tensor = backing[skip : skip + total].view(rows, row_bytes)
     api = cuda_api()
     base = tensor.data_ptr()
-    total = rows * row_bytes
     pieces: list[int] = []
     try:
         device_base: int | None = None
