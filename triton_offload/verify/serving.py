@@ -29,6 +29,7 @@ import itertools
 from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -36,6 +37,9 @@ from triton_offload.groups import GroupKind, GroupSpec, ParallelSpec
 from triton_offload.host_blocks import HostBlockManager, StoreHandle
 from triton_offload.plan import OffloadPlan, plan_offload
 from triton_offload.verify.model import HybridCache, HybridModel, ModelConfig, RequestBlocks
+
+if TYPE_CHECKING:
+    from triton_offload.engine import TransferEngine
 
 __all__ = [
     "INJECTIONS",
@@ -165,6 +169,8 @@ class OffloadServer:
         inject: str | None = None,
         model: HybridModel | None = None,
     ) -> None:
+        # Imported here, not at module level: `verify --backend triton` must switch the
+        # Triton interpreter on before the engine imports the kernels.
         from triton_offload.engine import TransferEngine
 
         if inject is not None and inject not in INJECTIONS:
@@ -315,7 +321,9 @@ class OffloadServer:
                 handles.append((g, lo, self.manager.prepare_load(keys, g)))
             total = 0
             for rank, engine in enumerate(self.engines):
-                gpu_blocks, host_blocks, first = [], [], []
+                gpu_blocks: list[list[int]] = []
+                host_blocks: list[list[int]] = []
+                first: list[int] = []
                 for g, lo, handle in handles:
                     ids = blocks.block_ids[g][rank][lo * bpc : lo * bpc + len(handle.rows) * bpc]
                     if self.inject == "wrong-slot" and len(ids) > 1:
@@ -355,7 +363,9 @@ class OffloadServer:
         total = 0
         for k in range(max((len(r) for r in runs.values()), default=0)):
             for rank, engine in enumerate(self.engines):
-                gpu_blocks, host_blocks, first = [], [], []
+                gpu_blocks: list[list[int]] = []
+                host_blocks: list[list[int]] = []
+                first: list[int] = []
                 for g in range(len(self.plan.groups)):
                     group_runs = runs.get(g, [])
                     if k >= len(group_runs):
@@ -391,10 +401,10 @@ def _runs(chunks: Sequence[int]) -> list[tuple[int, int]]:
     return out
 
 
-def _finish(engine: object, job: tuple[str, int]) -> int:
+def _finish(engine: TransferEngine, job: tuple[str, int]) -> int:
     """Wait for ``job`` and return its bytes; RuntimeError if it failed."""
-    engine.wait([job])  # type: ignore[attr-defined]
-    results = {r.job_id: r for r in engine.get_finished()}  # type: ignore[attr-defined]
+    engine.wait([job])
+    results = {r.job_id: r for r in engine.get_finished()}
     result = results.get(job)
     if result is None or not result.success:
         raise RuntimeError(f"transfer job {job} failed")
@@ -508,7 +518,7 @@ def run_scenario(server: OffloadServer, scenario: Scenario, max_new_tokens: int)
             server.clear_host()
         server.clear_gpu()
         warm = server.run(second, max_new_tokens, lookup=True, store=False)
-    except (RuntimeError, ValueError) as error:
+    except Exception as error:  # any failure of the data path is this scenario's failure
         result.problems.append(f"{type(error).__name__}: {error}")
         return result
     result.lookup_tokens = warm.lookup_tokens
