@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import KW_ONLY, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 __all__ = [
     "MAMBA_CACHE_MODES",
@@ -100,6 +100,21 @@ class GroupSpec:
     is_eagle: bool = False
     dcp_sharded: bool | None = None
     name: str = ""
+
+    if TYPE_CHECKING:
+        # What callers may pass: ``kind`` as its string value too (normalised below).
+        def __init__(
+            self,
+            kind: GroupKind | str,
+            block_size: int,
+            *,
+            sliding_window: int | None = None,
+            attention_chunk_size: int | None = None,
+            mamba_cache_mode: str = "none",
+            is_eagle: bool = False,
+            dcp_sharded: bool | None = None,
+            name: str = "",
+        ) -> None: ...
 
     def __post_init__(self) -> None:
         # ``kind`` may arrive as its string value; store the enum (frozen, hence

@@ -20,7 +20,12 @@ from triton_offload.groups import GroupKind, check_positive_int
 if TYPE_CHECKING:
     from triton_offload.plan import GroupPlan, OffloadPlan
 
+# One group's presence: a bool per chunk from chunk 0. Lists/tuples of bools and
+# bytes/bytearrays of 0/1 take the C-level scans; any other sequence works, slower.
+PresenceRow = Sequence[bool] | bytes | bytearray
+
 __all__ = [
+    "PresenceRow",
     "first_absent",
     "is_store_reachable_chunk",
     "last_present",
@@ -115,7 +120,7 @@ _FIRST_BLOCK = 16
 _MAX_BLOCK = 4096
 
 
-def first_absent(present: Sequence[bool], lo: int, hi: int) -> int:
+def first_absent(present: PresenceRow, lo: int, hi: int) -> int:
     """Smallest ``i`` in ``[lo, hi)`` whose chunk is absent, or ``hi`` if all are present.
 
     Returns ``lo`` when ``lo >= hi``. Lists/tuples compare elements with ``== False``
@@ -126,14 +131,13 @@ def first_absent(present: Sequence[bool], lo: int, hi: int) -> int:
     stop = min(hi, len(present))
     if lo >= stop:
         return lo  # chunks past the end of the sequence are absent
-    kind = type(present)
-    if kind is list or kind is tuple:
+    if isinstance(present, (list, tuple)):
         try:
-            return present.index(False, lo, stop)  # type: ignore[attr-defined]
+            return present.index(False, lo, stop)
         except ValueError:
             return stop
-    if kind is bytes or kind is bytearray:
-        found: int = present.find(0, lo, stop)  # type: ignore[attr-defined]
+    if isinstance(present, (bytes, bytearray)):
+        found = present.find(0, lo, stop)
         return stop if found < 0 else found
     for index in range(lo, stop):
         if not present[index]:
@@ -141,26 +145,25 @@ def first_absent(present: Sequence[bool], lo: int, hi: int) -> int:
     return stop
 
 
-def last_present(present: Sequence[bool], lo: int, hi: int) -> int:
+def last_present(present: PresenceRow, lo: int, hi: int) -> int:
     """Largest ``i`` in ``[lo, hi)`` whose chunk is present, or ``lo - 1`` if none is."""
     stop = min(hi, len(present))
     if lo >= stop:
         return lo - 1
-    kind = type(present)
-    if kind is list or kind is tuple:
+    if isinstance(present, (list, tuple)):
         end = stop
         size = _FIRST_BLOCK
         while end > lo:
             begin = max(lo, end - size)
-            if True in present[begin:end]:  # type: ignore[index]
+            if True in present[begin:end]:
                 for index in range(end - 1, begin - 1, -1):
                     if present[index]:
                         return index
             end = begin
             size = min(size * 4, _MAX_BLOCK)
         return lo - 1
-    if kind is bytes or kind is bytearray:
-        found: int = present.rfind(1, lo, stop)  # type: ignore[attr-defined]
+    if isinstance(present, (bytes, bytearray)):
+        found = present.rfind(1, lo, stop)
         return lo - 1 if found < 0 else found
     for index in range(stop - 1, lo - 1, -1):
         if present[index]:
@@ -168,7 +171,7 @@ def last_present(present: Sequence[bool], lo: int, hi: int) -> int:
     return lo - 1
 
 
-def window_run_end(present: Sequence[bool], lo: int, hi: int, window: int) -> int:
+def window_run_end(present: PresenceRow, lo: int, hi: int, window: int) -> int:
     """End (exclusive) of the last run of ``window`` present chunks inside ``[lo, hi)``.
 
     Without such a run, the end of the run of present chunks that starts at ``lo``
@@ -202,7 +205,7 @@ def window_run_end(present: Sequence[bool], lo: int, hi: int, window: int) -> in
 
 def _group_hit_end(
     group: GroupPlan,
-    present: Sequence[bool],
+    present: PresenceRow,
     num_tokens: int,
     num_computed_tokens: int,
     max_hit: int,
@@ -266,7 +269,7 @@ def lookup_hit_tokens(
     plan: OffloadPlan,
     num_tokens: int,
     num_computed_tokens: int,
-    present: Sequence[Sequence[bool]],
+    present: Sequence[PresenceRow],
 ) -> int:
     """Tokens beyond ``num_computed_tokens`` that may be loaded (see ``OffloadPlan.lookup``).
 

@@ -18,7 +18,7 @@ from triton_offload.groups import (
     PlanningError,
     check_positive_int,
 )
-from triton_offload.lookup import lookup_hit_tokens, reachable_chunks
+from triton_offload.lookup import PresenceRow, lookup_hit_tokens, reachable_chunks
 
 __all__ = ["GroupPlan", "OffloadPlan", "plan_offload"]
 
@@ -163,7 +163,7 @@ class OffloadPlan:
         self,
         num_tokens: int,
         num_computed_tokens: int,
-        present: Sequence[Sequence[bool]],
+        present: Sequence[PresenceRow],
     ) -> int:
         """Tokens beyond ``num_computed_tokens`` that may be loaded from the pool.
 
