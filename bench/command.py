@@ -1,0 +1,215 @@
+"""``triton-offload bench``: measure the transfer paths side by side.
+
+Without CUDA it measures what is real on a CPU (the engine's CPU path and CPU
+baselines against one large copy, table-building costs) and runs the Triton kernels
+under the interpreter as a labelled correctness pass. With CUDA it times every path
+with CUDA events against one pinned <-> device copy of the same bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+DEFAULT_OUT = "bench-results"
+
+# Names are listed here (not imported from the harness) so that building the CLI's
+# parser imports no torch: `triton-offload --help` stays instant.
+PRESET_NAMES = ("llama3.1-8b-tp1", "llama3.1-8b-tp4", "deepseek-mla", "mamba-hybrid", "swa-hybrid")
+DIRECTION_NAMES = ("store", "load")
+PATH_NAMES = (
+    "triton",
+    "dma",
+    "auto",
+    "torch",
+    "per-page-copy",
+    "index-copy",
+    "flat-triton",
+    "batched-dma",
+    "vllm-swap-blocks",
+)
+
+
+def _choices(kind: str, allowed: Sequence[str]) -> Callable[[str], list[str]]:
+    """argparse type: a comma-separated subset of ``allowed`` (``all`` = every one)."""
+
+    def parse(text: str) -> list[str]:
+        if text.strip() == "all":
+            return list(allowed)
+        values = [v.strip() for v in text.split(",") if v.strip()]
+        if not values:
+            raise argparse.ArgumentTypeError(f"empty {kind} list {text!r}")
+        for value in values:
+            if value not in allowed:
+                raise argparse.ArgumentTypeError(
+                    f"unknown {kind} {value!r}; choose from {', '.join(allowed)} (or 'all')"
+                )
+        return list(dict.fromkeys(values))
+
+    parse.__name__ = kind
+    return parse
+
+
+def _positive(kind: str) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{kind} {text!r} is not an integer") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{kind} {value} must be >= 1")
+        return value
+
+    parse.__name__ = kind
+    return parse
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"warm-up count {text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"warm-up count {value} must be >= 0")
+    return value
+
+
+def _sizes(text: str) -> list[int]:
+    from triton_offload.bench.presets import parse_size
+
+    try:
+        return [parse_size(v) for v in text.split(",") if v.strip()] or _empty(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _counts(text: str) -> list[int]:
+    parse = _positive("pages per job")
+    return [parse(v.strip()) for v in text.split(",") if v.strip()] or _empty(text)
+
+
+def _empty(text: str) -> list[int]:
+    raise argparse.ArgumentTypeError(f"empty list {text!r}")
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path(DEFAULT_OUT),
+        help=f"output folder for results.json, report.md and the plot (default: {DEFAULT_OUT})",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="small cases and few repeats (CI smoke run)"
+    )
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="add the raw sweep: page size x pages per job x direction",
+    )
+    parser.add_argument(
+        "--presets",
+        type=_choices("preset", PRESET_NAMES),
+        default=list(PRESET_NAMES),
+        help=f"comma-separated presets (default all): {', '.join(PRESET_NAMES)}",
+    )
+    parser.add_argument(
+        "--directions",
+        type=_choices("direction", DIRECTION_NAMES),
+        default=list(DIRECTION_NAMES),
+        help="store (device -> pool), load (pool -> device), or both (default)",
+    )
+    parser.add_argument(
+        "--paths",
+        type=_choices("path", PATH_NAMES),
+        default=list(PATH_NAMES),
+        help=(
+            "comma-separated paths (default all; the ceiling is always measured): "
+            + ", ".join(PATH_NAMES)
+        ),
+    )
+    parser.add_argument(
+        "--repeats",
+        type=_positive("repeats"),
+        default=None,
+        help="timed jobs per figure, median reported (default 10 on CUDA, 5 on CPU, 3 quick)",
+    )
+    parser.add_argument(
+        "--warmup", type=_non_negative, default=None, help="untimed jobs first (default 1-2)"
+    )
+    parser.add_argument(
+        "--page-sizes",
+        type=_sizes,
+        default=None,
+        help="sweep page sizes, e.g. 4k,64k,2m (default 4KiB..2MiB)",
+    )
+    parser.add_argument(
+        "--pages",
+        type=_counts,
+        default=None,
+        help="sweep pages per job, e.g. 16,1024,100000 (default 16..100000)",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        # Must precede the first import of any @triton.jit module (the kernels are
+        # imported lazily by the engine and the flat baseline).
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+    from triton_offload.bench import harness, presets, report
+
+    device = torch.device("cuda") if cuda else torch.device("cpu")
+    if cuda:
+        target = presets.QUICK_TARGET_BYTES * 8 if args.quick else None
+        repeats = 3 if args.quick else 10
+        warmup = 1 if args.quick else 2
+        sweep_max = 512 * presets.MiB
+    else:
+        target = presets.QUICK_TARGET_BYTES if args.quick else presets.CPU_TARGET_BYTES
+        repeats = 3 if args.quick else 5
+        warmup = 1
+        sweep_max = (8 if args.quick else 64) * presets.MiB
+    page_sizes = args.page_sizes or (
+        [4 * presets.KiB, 64 * presets.KiB, 2 * presets.MiB]
+        if args.quick
+        else list(presets.SWEEP_PAGE_BYTES)
+    )
+    pages = args.pages or ([16, 1024] if args.quick else list(presets.SWEEP_PAGES))
+    config = harness.Config(
+        presets=args.presets,
+        sweep=args.sweep,
+        directions=args.directions,
+        repeats=args.repeats or repeats,
+        warmup=warmup if args.warmup is None else args.warmup,
+        paths=args.paths,
+        quick=args.quick,
+        device=device,
+        target_bytes=target,
+        sweep_page_bytes=page_sizes,
+        sweep_pages=pages,
+        sweep_max_bytes=sweep_max,
+    )
+    results = harness.run(config, show_progress=not args.no_progress)
+    print(report.terminal_report(results))
+    written = report.write_all(results, args.out)
+    print("\nwrote " + ", ".join(str(p) for p in written.values()))
+    failed = [m for m in (*results.measurements, *results.correctness) if m.status == "FAILED"]
+    if failed:
+        print(
+            f"{len(failed)} path(s) FAILED verification: "
+            + ", ".join(sorted({f"{m.path} on {m.case}" for m in failed})),
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+__all__ = ["DEFAULT_OUT", "configure_parser", "run"]

@@ -1,0 +1,671 @@
+"""Runs cases on paths: verify byte-exact first, then time; plus host cost and a CPU
+correctness pass of the Triton kernels under the interpreter.
+
+Timing, per (case, path, direction): ``warmup`` untimed jobs, then ``repeats`` jobs one
+at a time; the figure is the median. Device time on CUDA comes from CUDA events
+recorded on the path's stream around the job (the engine records its own events
+around each job on its transfer stream and reports them as ``transfer_time``). Without
+CUDA every path is synchronous and the time is the wall clock from submit to finish.
+Host time is the wall clock of the submit call alone (on CUDA: building the job's
+tables and enqueueing it; without CUDA it includes the copy).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import torch
+from triton_offload.bench import presets
+from triton_offload.bench.paths import (
+    CEILING,
+    PathRunner,
+    PathUnavailable,
+    Workspace,
+    build_workspace,
+    make_path,
+    plan_for,
+    role_of,
+)
+from triton_offload.bench.presets import Case, GroupShape
+
+#: Paths that run on a CPU-only machine as timed measurements.
+CPU_TIMED_PATHS = ("torch", "auto", "per-page-copy", "index-copy", CEILING)
+#: Paths that run on a CPU-only machine only as an interpreted correctness pass.
+CPU_INTERPRETED_PATHS = ("triton", "flat-triton")
+#: A per-page baseline over this many descriptors is skipped: in Python it costs
+#: several microseconds per page, minutes over a sweep, and says nothing new.
+MAX_PER_PAGE_DESCRIPTORS = 20_000
+
+
+def gbps(num_bytes: int, seconds: float) -> float:
+    """Decimal gigabytes per second: ``num_bytes / seconds / 1e9``."""
+    if seconds <= 0:
+        raise ValueError(f"seconds {seconds} must be > 0")
+    return num_bytes / seconds / 1e9
+
+
+def percent_of(value: float, ceiling: float) -> float:
+    if ceiling <= 0:
+        raise ValueError(f"ceiling {ceiling} must be > 0")
+    return 100.0 * value / ceiling
+
+
+@dataclass
+class Measurement:
+    """One (case, path, direction): status ``ok`` (timed), ``verified`` (correctness
+    only, no GB/s), ``FAILED``, ``unavailable`` or ``skipped`` (``note`` says why)."""
+
+    case: str
+    path: str
+    role: str
+    direction: str
+    status: str
+    note: str = ""
+    job_bytes: int = 0
+    job_pages: int = 0
+    page_bytes: int = 0
+    page_sizes: list[int] = field(default_factory=list)
+    sweep: bool = False
+    device_s: float | None = None
+    host_s: float | None = None
+    gbps: float | None = None
+    pct_ceiling: float | None = None
+    launches: int | None = None
+    repeats: int = 0
+
+
+@dataclass
+class HostCost:
+    """Host time to prepare one job's tables: this project vs per-(block x layer) pointers."""
+
+    case: str
+    blocks: int
+    planes: int
+    descriptors: int
+    project_s: float
+    pointer_s: float
+    pointer_impl: str
+
+    @property
+    def ratio(self) -> float:
+        return self.pointer_s / self.project_s
+
+
+@dataclass
+class Config:
+    presets: list[str]
+    sweep: bool
+    directions: list[str]
+    repeats: int
+    warmup: int
+    paths: list[str]
+    quick: bool
+    device: torch.device
+    target_bytes: int | None  # scale cases to this many bytes per job (None: full size)
+    sweep_page_bytes: list[int] = field(default_factory=lambda: list(presets.SWEEP_PAGE_BYTES))
+    sweep_pages: list[int] = field(default_factory=lambda: list(presets.SWEEP_PAGES))
+    sweep_max_bytes: int = 512 * presets.MiB
+
+
+@dataclass
+class Results:
+    environment: dict[str, Any]
+    config: dict[str, Any]
+    measurements: list[Measurement]
+    host_costs: list[HostCost]
+    correctness: list[Measurement]
+    notes: list[str]
+    wall_s: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "environment": self.environment,
+            "config": self.config,
+            "measurements": [asdict(m) for m in self.measurements],
+            "host_costs": [{**asdict(h), "ratio": h.ratio} for h in self.host_costs],
+            "correctness": [asdict(m) for m in self.correctness],
+            "notes": self.notes,
+            "wall_s": self.wall_s,
+        }
+
+
+# ----------------------------------------------------------------------- environment
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    """GPU name, driver, torch/triton/CUDA versions (and the CPU) for every result."""
+    import triton
+
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "platform": platform.platform(),
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "device": str(device),
+        "cuda_available": torch.cuda.is_available(),
+        "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1",
+        "gpu": None,
+        "driver": None,
+        "cuda_runtime": torch.version.cuda,
+    }
+    try:
+        import vllm
+
+        info["vllm"] = vllm.__version__
+    except Exception:
+        info["vllm"] = None
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+        info["driver"] = _driver_version()
+    return info
+
+
+def _driver_version() -> str | None:
+    smi = shutil.which("nvidia-smi")
+    if smi is not None:
+        try:
+            out = subprocess.run(
+                [smi, "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=20,
+                check=True,
+            )
+            return out.stdout.strip().splitlines()[0]
+        except (OSError, subprocess.SubprocessError, IndexError):
+            pass
+    try:
+        import ctypes
+
+        version = ctypes.c_int()
+        ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(version))
+        return f"CUDA driver API {version.value // 1000}.{version.value % 1000 // 10}"
+    except OSError:
+        return None
+
+
+# ----------------------------------------------------------------------------- progress
+
+
+class Progress:
+    """A self-written progress bar on stderr (a line per 10% when not a terminal)."""
+
+    def __init__(self, total: int, *, enabled: bool = True, stream: Any = None) -> None:
+        self.total = max(total, 1)
+        self.done = 0
+        self.enabled = enabled
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self._last_decile = -1
+        self._started = time.perf_counter()
+
+    def step(self, label: str) -> None:
+        self.done = min(self.done + 1, self.total)
+        if not self.enabled:
+            return
+        fraction = self.done / self.total
+        elapsed = time.perf_counter() - self._started
+        if self.tty:
+            width = 30
+            filled = round(width * fraction)
+            bar = "#" * filled + "-" * (width - filled)
+            self.stream.write(
+                f"\r[{bar}] {self.done}/{self.total} {elapsed:5.0f}s {label[:40]:<40}"
+            )
+            if self.done == self.total:
+                self.stream.write("\n")
+        else:
+            decile = int(fraction * 10)
+            if decile != self._last_decile:
+                self._last_decile = decile
+                self.stream.write(f"bench: {self.done}/{self.total} ({elapsed:.0f}s) {label}\n")
+        self.stream.flush()
+
+
+# ------------------------------------------------------------------------------ timing
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_job(runner: PathRunner, direction: str, device: torch.device) -> tuple[float, float]:
+    """One job: (device or wall seconds, host submit seconds)."""
+    if device.type == "cuda" and not runner.self_timed:
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(runner.stream):
+            start.record(runner.stream)
+            t0 = time.perf_counter()
+            runner.submit(direction)
+            host = time.perf_counter() - t0
+            end.record(runner.stream)
+        end.synchronize()
+        runner.finish()
+        return start.elapsed_time(end) / 1e3, host
+    t0 = time.perf_counter()
+    runner.submit(direction)
+    host = time.perf_counter() - t0
+    measured = runner.finish()
+    wall = time.perf_counter() - t0
+    if device.type == "cuda" and measured is not None and measured > 0:
+        return measured, host
+    return wall, host
+
+
+def count_device_ops(runner: PathRunner, direction: str, device: torch.device) -> int | None:
+    """Kernels + memcpys one job enqueues, counted by the profiler (CUDA only)."""
+    if device.type != "cuda":
+        return None
+    try:
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity, profile
+
+        _sync(device)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            time_job(runner, direction, device)
+            _sync(device)
+        return sum(1 for event in prof.events() if event.device_type == DeviceType.CUDA)
+    except Exception:
+        return None
+
+
+def measure(
+    runner: PathRunner, direction: str, device: torch.device, repeats: int, warmup: int
+) -> tuple[float, float]:
+    """Median (device seconds, host seconds) over ``repeats`` jobs after ``warmup``."""
+    for _ in range(warmup):
+        time_job(runner, direction, device)
+    device_times: list[float] = []
+    host_times: list[float] = []
+    for _ in range(repeats):
+        seconds, host = time_job(runner, direction, device)
+        device_times.append(seconds)
+        host_times.append(host)
+    return statistics.median(device_times), statistics.median(host_times)
+
+
+# ------------------------------------------------------------------------------- cases
+
+
+def cases_for(config: Config) -> tuple[list[Case], list[str]]:
+    """Preset cases (scaled without CUDA) and, with ``sweep``, the raw sweep grid."""
+    notes: list[str] = []
+    cases: list[Case] = []
+    for name in config.presets:
+        case = presets.PRESETS[name]
+        if config.target_bytes is not None:
+            scaled = presets.scale_case(case, config.target_bytes)
+            if scaled != case:
+                layers = ", ".join(f"{g.name} {g.layers}" for g in scaled.groups)
+                notes.append(
+                    f"{case.name}: scaled to {scaled.job_bytes / presets.MiB:.1f} MiB per job "
+                    f"(layers: {layers}; page shapes unchanged) from "
+                    f"{case.job_bytes / presets.MiB:.0f} MiB"
+                )
+            case = scaled
+        cases.append(case)
+    if config.sweep:
+        sweep, skipped = presets.sweep_cases(
+            config.sweep_page_bytes, config.sweep_pages, max_job_bytes=config.sweep_max_bytes
+        )
+        cases.extend(sweep)
+        notes.extend(f"sweep point skipped: {s}" for s in skipped)
+    return cases, notes
+
+
+def _paths_for(config: Config) -> list[str]:
+    if config.device.type == "cuda":
+        return [p for p in config.paths if p != "index-copy"] + [CEILING]
+    return [p for p in config.paths if p in CPU_TIMED_PATHS] + [CEILING]
+
+
+def run_case(case: Case, config: Config, progress: Progress | None = None) -> list[Measurement]:
+    """Verify then time every path of ``config`` on ``case``; the ceiling first."""
+    device = config.device
+    ws = build_workspace(case, device)
+    base = {
+        "case": case.name,
+        "job_bytes": ws.job_bytes,
+        "job_pages": ws.job_pages,
+        "page_bytes": case.typical_page_bytes,
+        "page_sizes": list(case.page_sizes),
+        "sweep": case.sweep,
+    }
+    results: list[Measurement] = []
+    names = _paths_for(config)
+    names = [CEILING] + [n for n in names if n != CEILING]
+    ceiling: dict[str, float] = {}
+    for name in names:
+        rows = _run_path(name, ws, config, base)
+        for row in rows:
+            if name == CEILING and row.gbps is not None:
+                ceiling[row.direction] = row.gbps
+            if row.gbps is not None and row.direction in ceiling:
+                row.pct_ceiling = percent_of(row.gbps, ceiling[row.direction])
+        results.extend(rows)
+        if progress is not None:
+            progress.step(f"{case.name} {name}")
+    del ws
+    _sync(device)
+    return results
+
+
+def _run_path(name: str, ws: Workspace, config: Config, base: dict[str, Any]) -> list[Measurement]:
+    role = role_of(name)
+
+    def rows(status: str, note: str) -> list[Measurement]:
+        return [
+            Measurement(path=name, role=role, direction=d, status=status, note=note, **base)
+            for d in config.directions
+        ]
+
+    if name == "per-page-copy" and ws.job_pages > MAX_PER_PAGE_DESCRIPTORS:
+        return rows("skipped", f"over {MAX_PER_PAGE_DESCRIPTORS} per-page copies per job")
+    try:
+        runner = make_path(name, ws)
+    except PathUnavailable as why:
+        return rows("unavailable", str(why))
+    if name == "auto" and ws.device.type != "cuda":
+        note = "auto picks the CPU path without CUDA"
+    else:
+        note = ""
+    try:
+        try:
+            problem = runner.verify()
+        except Exception as error:  # a crash during verification is a failure, not a skip
+            problem = f"{type(error).__name__}: {error}"
+        if problem is not None:
+            return rows("FAILED", f"not byte-exact: {problem}")
+        out: list[Measurement] = []
+        for direction in config.directions:
+            try:
+                device_s, host_s = measure(
+                    runner, direction, ws.device, config.repeats, config.warmup
+                )
+            except Exception as error:
+                out.append(
+                    Measurement(
+                        path=name,
+                        role=role,
+                        direction=direction,
+                        status="FAILED",
+                        note=f"{type(error).__name__}: {error}",
+                        **base,
+                    )
+                )
+                continue
+            launches = runner.launches_per_job(direction)
+            if launches is None:
+                launches = count_device_ops(runner, direction, ws.device)
+            out.append(
+                Measurement(
+                    path=name,
+                    role=role,
+                    direction=direction,
+                    status="ok",
+                    note=note,
+                    device_s=device_s,
+                    host_s=host_s,
+                    gbps=gbps(ws.job_bytes, device_s),
+                    launches=launches,
+                    repeats=config.repeats,
+                    **base,
+                )
+            )
+        return out
+    finally:
+        runner.close()
+
+
+# ---------------------------------------------------------------- interpreter pass
+
+
+def correctness_case() -> Case:
+    """Tiny two-group case with odd page sizes (not multiples of 16) for the interpreter."""
+    return Case(
+        name="interpreter-check",
+        description="tiny correctness case: odd page sizes, two groups",
+        groups=(
+            GroupShape("attention", "full_attention", 16, 2, (1000, 1000), blocks_per_job=3),
+            GroupShape(
+                "mamba", "mamba", 16, 1, (264, 4100), blocks_per_job=1, mamba_cache_mode="align"
+            ),
+        ),
+    )
+
+
+def correctness_pass(config: Config, progress: Progress | None = None) -> list[Measurement]:
+    """Without CUDA: Triton paths under the interpreter, byte-exact check, no GB/s."""
+    results: list[Measurement] = []
+    tiny = [] if config.quick else _tiny_presets(config)
+    for case in (correctness_case(), *tiny):
+        ws = build_workspace(case, torch.device("cpu"), seed=3)
+        for name in [p for p in config.paths if p in CPU_INTERPRETED_PATHS]:
+            base = {
+                "case": case.name,
+                "path": name,
+                "role": role_of(name),
+                "direction": "store+load",
+                "job_bytes": ws.job_bytes,
+                "job_pages": ws.job_pages,
+                "page_bytes": case.typical_page_bytes,
+                "page_sizes": list(case.page_sizes),
+            }
+            try:
+                runner = make_path(name, ws)
+            except PathUnavailable as why:
+                results.append(Measurement(status="unavailable", note=str(why), **base))
+                continue
+            try:
+                problem = runner.verify()
+            except Exception as error:
+                problem = f"{type(error).__name__}: {error}"
+            finally:
+                runner.close()
+            if problem is None:
+                note = "interpreted (TRITON_INTERPRET=1): byte-exact; no GB/s claimed"
+                results.append(Measurement(status="verified", note=note, **base))
+            else:
+                results.append(Measurement(status="FAILED", note=problem, **base))
+            if progress is not None:
+                progress.step(f"{case.name} {name} (interpreted)")
+    return results
+
+
+def _tiny_presets(config: Config) -> list[Case]:
+    """Each selected preset with one layer per group and two blocks: real page shapes."""
+    tiny = []
+    for name in config.presets:
+        case = presets.PRESETS[name]
+        groups = tuple(
+            replace(g, layers=1, blocks_per_job=min(g.blocks_per_job, 2)) for g in case.groups
+        )
+        tiny.append(replace(case, name=f"{case.name}-tiny", groups=groups))
+    return tiny
+
+
+def interpreted_steps(config: Config) -> int:
+    names = [p for p in config.paths if p in CPU_INTERPRETED_PATHS]
+    return len(names) * (1 + (0 if config.quick else len(config.presets)))
+
+
+# ------------------------------------------------------------------------- host cost
+
+
+def vllm_pointer_builder() -> tuple[Callable[..., None] | None, str]:
+    """vLLM 0.33's per-(block x layer) pointer function, if vllm imports here."""
+    try:
+        from vllm.v1.kv_offload.cpu.gpu_worker import compute_sub_block_ptrs
+    except Exception:  # vllm missing, or importable only with its CUDA dependencies
+        return None, "numpy re-creation of vLLM 0.33's per-(block x layer) pointer build"
+    return compute_sub_block_ptrs, "vllm 0.33 compute_sub_block_ptrs (imported)"
+
+
+def _numpy_sub_block_ptrs(
+    block_ids: np.ndarray, blocks_per_chunk: int, output: np.ndarray, tensor: torch.Tensor
+) -> None:
+    """One pointer per block of one plane: ``base + id * row stride`` (blocks_per_chunk 1)."""
+    del blocks_per_chunk
+    output[:] = tensor.data_ptr() + block_ids.astype(np.uint64) * tensor.stride(0)
+
+
+def host_cost(case: Case, repeats: int) -> HostCost:
+    """Host seconds to turn one job of ``case`` (full size) into copy tables.
+
+    Project: ``TransferEngine.build_job_table`` (pair table + complete validation),
+    O(blocks). Baseline: one source and one destination pointer plus a size per
+    (block x plane), built per plane as vLLM 0.33's worker does, O(blocks x planes).
+    The caches are allocated with ``torch.empty`` and never touched: only addresses
+    are computed, so a full-size model costs no memory traffic.
+    """
+    from triton_offload.engine import TransferEngine
+
+    ws = build_workspace(case, torch.device("cpu"), seed=5)
+    # An untouched pool: the engine would zero-fill its own (GBs for a full-size model).
+    pool = torch.empty((ws.num_host_blocks, ws.layout.row_bytes), dtype=torch.uint8)
+    engine = TransferEngine(
+        plan_for(case), ws.caches, ws.num_host_blocks, backend="torch", pool=pool
+    )
+    try:
+        project = _median_seconds(
+            lambda: engine.build_job_table(ws.gpu_blocks, ws.host_rows, None, 0), repeats
+        )
+        builder, impl = vllm_pointer_builder()
+        build = builder if builder is not None else _numpy_sub_block_ptrs
+        n = ws.job_pages
+        # vLLM keeps int64 descriptor buffers (pinned on CUDA) and fills them per job.
+        src = np.empty(n, dtype=np.int64)
+        dst = np.empty(n, dtype=np.int64)
+        sizes = np.empty(n, dtype=np.int64)
+        plane_sides = [
+            (
+                plane,
+                plane.view,
+                engine.pool_view(index)[:, 0],
+            )
+            for index, plane in enumerate(ws.layout.planes)
+        ]
+        block_arrays = [np.asarray(b, dtype=np.int64) for b in ws.gpu_blocks]
+        row_arrays = [np.asarray(r, dtype=np.int64) for r in ws.host_rows]
+
+        def pointers() -> None:
+            op = 0
+            for plane, cache_side, pool_side in plane_sides:
+                blocks = block_arrays[plane.group]
+                end = op + blocks.size
+                build(blocks, 1, src[op:end].view(np.uint64), cache_side)
+                build(row_arrays[plane.group], 1, dst[op:end].view(np.uint64), pool_side)
+                sizes[op:end] = plane.page_bytes
+                op = end
+
+        pointer = _median_seconds(pointers, repeats)
+        return HostCost(
+            case=case.name,
+            blocks=sum(len(b) for b in ws.gpu_blocks),
+            planes=len(ws.layout.planes),
+            descriptors=n,
+            project_s=project,
+            pointer_s=pointer,
+            pointer_impl=impl,
+        )
+    finally:
+        engine.shutdown()
+
+
+def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+# --------------------------------------------------------------------------------- run
+
+
+def run(config: Config, *, show_progress: bool = True) -> Results:
+    """Every case on every path, then host costs and (without CUDA) the interpreter pass.
+
+    Without CUDA torch runs single-threaded: the engine's CPU path and the baselines
+    copy on one thread, so the ceiling does too (and intra-op threads fighting over
+    two shared cores made every figure noise).
+    """
+    threads = torch.get_num_threads()
+    if config.device.type != "cuda":
+        torch.set_num_threads(1)
+    try:
+        return _run(config, show_progress)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(config: Config, show_progress: bool) -> Results:
+    started = time.perf_counter()
+    cases, notes = cases_for(config)
+    interpreted = config.device.type != "cuda"
+    total = len(cases) * len(_paths_for(config)) + len(config.presets)
+    if interpreted:
+        total += interpreted_steps(config)
+    progress = Progress(total, enabled=show_progress)
+    measurements: list[Measurement] = []
+    for case in cases:
+        measurements.extend(run_case(case, config, progress))
+    host_costs = []
+    for name in config.presets:
+        host_costs.append(host_cost(presets.PRESETS[name], repeats=max(config.repeats, 5)))
+        progress.step(f"{name} host cost")
+    correctness = correctness_pass(config, progress) if interpreted else []
+    return Results(
+        environment=environment(config.device),
+        config={
+            "presets": config.presets,
+            "sweep": config.sweep,
+            "directions": config.directions,
+            "repeats": config.repeats,
+            "warmup": config.warmup,
+            "paths": config.paths,
+            "quick": config.quick,
+            "target_bytes": config.target_bytes,
+        },
+        measurements=measurements,
+        host_costs=host_costs,
+        correctness=correctness,
+        notes=notes,
+        wall_s=time.perf_counter() - started,
+    )
+
+
+__all__ = [
+    "CPU_INTERPRETED_PATHS",
+    "CPU_TIMED_PATHS",
+    "Config",
+    "HostCost",
+    "Measurement",
+    "Progress",
+    "Results",
+    "cases_for",
+    "correctness_pass",
+    "environment",
+    "gbps",
+    "host_cost",
+    "measure",
+    "percent_of",
+    "run",
+    "run_case",
+]

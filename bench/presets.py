@@ -1,0 +1,370 @@
+"""Model presets and the raw sweep: the page shapes a benchmark case moves, in bytes.
+
+Every number here is derived from model dimensions, so a reader can check it by hand:
+a FlashAttention-style layer stores K and V as two planes of
+``block_size * kv_heads * head_dim * dtype_bytes`` bytes per block (Llama-3.1-8B, bf16,
+16-token blocks: ``16 * 8 * 128 * 2 = 32 KiB``; at TP 4 the 8 KV heads split into 2 per
+rank: 8 KiB). An MLA layer stores one latent plane (576 values); a Mamba layer one conv
+state plane (KB-scale) and one SSM state plane (MB-scale), independent of the block size.
+
+A *case* is one job: per group, how many GPU blocks move (a prompt of
+``PROMPT_TOKENS`` tokens: every block of an unbounded group, the window of a
+sliding-window group, the one state at the hit end of a Mamba group). On a machine
+without CUDA a case keeps its page shapes but its layer counts are scaled down so that
+one job moves tens of MB, not GBs (see :func:`scale_case`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+KiB = 1024
+MiB = 1024 * KiB
+
+BF16 = 2
+FP32 = 4
+
+#: Tokens of the prompt a preset job stores or loads (2k tokens: a common prefix length,
+#: and 128 full-attention blocks of 16 tokens).
+PROMPT_TOKENS = 2048
+
+#: Byte size of one job on a GPU is the full model; without CUDA layer counts are scaled
+#: so one job moves about this many bytes (tens of MB; ~2 minutes for the default run
+#: on 2 CPU cores).
+CPU_TARGET_BYTES = 24 * MiB
+QUICK_TARGET_BYTES = 2 * MiB
+
+
+@dataclass(frozen=True)
+class GroupShape:
+    """One cache group of a model: its kind, block size, layers and per-layer planes.
+
+    ``plane_bytes`` lists the page bytes of one layer's planes (K and V: two entries;
+    MLA: one; Mamba: conv then SSM). ``blocks_per_job`` is how many GPU blocks of this
+    group one job moves.
+    """
+
+    name: str
+    kind: str
+    block_size: int
+    layers: int
+    plane_bytes: tuple[int, ...]
+    blocks_per_job: int
+    sliding_window: int | None = None
+    mamba_cache_mode: str = "none"
+
+    @property
+    def layer_bytes_per_block(self) -> int:
+        return sum(self.plane_bytes)
+
+    @property
+    def job_bytes(self) -> int:
+        return self.layers * self.layer_bytes_per_block * self.blocks_per_job
+
+    @property
+    def job_pages(self) -> int:
+        return self.layers * len(self.plane_bytes) * self.blocks_per_job
+
+
+@dataclass(frozen=True)
+class Case:
+    """One benchmark case: a named set of groups; one job moves ``job_bytes`` bytes."""
+
+    name: str
+    description: str
+    groups: tuple[GroupShape, ...]
+    sweep: bool = False
+
+    @property
+    def job_bytes(self) -> int:
+        return sum(g.job_bytes for g in self.groups)
+
+    @property
+    def job_pages(self) -> int:
+        return sum(g.job_pages for g in self.groups)
+
+    @property
+    def page_sizes(self) -> tuple[int, ...]:
+        return tuple(sorted({b for g in self.groups for b in g.plane_bytes}))
+
+    @property
+    def typical_page_bytes(self) -> int:
+        """Page size that carries most of the bytes (the x position in the plot)."""
+        weight: dict[int, int] = {}
+        for g in self.groups:
+            for b in g.plane_bytes:
+                weight[b] = weight.get(b, 0) + b * g.layers * g.blocks_per_job
+        return max(weight, key=lambda b: (weight[b], b))
+
+
+def attention_page_bytes(block_size: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+    """Bytes of one K (or V) page: ``block_size * kv_heads * head_dim * dtype_bytes``."""
+    return block_size * kv_heads * head_dim * dtype_bytes
+
+
+def mla_page_bytes(block_size: int, latent_values: int, dtype_bytes: int) -> int:
+    """Bytes of one MLA latent page (compressed KV + rope key, one plane per layer)."""
+    return block_size * latent_values * dtype_bytes
+
+
+def mamba_conv_bytes(conv_dim: int, d_conv: int, dtype_bytes: int) -> int:
+    """Bytes of one conv state: ``(conv_dim, d_conv - 1)`` values."""
+    return conv_dim * (d_conv - 1) * dtype_bytes
+
+
+def mamba_ssm_bytes(heads: int, head_dim: int, d_state: int, dtype_bytes: int) -> int:
+    """Bytes of one SSM state: ``(heads, head_dim, d_state)`` values."""
+    return heads * head_dim * d_state * dtype_bytes
+
+
+def _blocks(tokens: int, block_size: int) -> int:
+    return math.ceil(tokens / block_size)
+
+
+def _llama_8b(tp: int) -> Case:
+    kv_heads = 8 // tp
+    page = attention_page_bytes(16, kv_heads, 128, BF16)
+    return Case(
+        name=f"llama3.1-8b-tp{tp}",
+        description=(
+            f"Llama-3.1-8B, TP {tp}: 32 layers, {kv_heads} KV heads x 128, bf16, "
+            f"16-token blocks -> K and V pages of {page // KiB} KiB"
+        ),
+        groups=(
+            GroupShape(
+                name="attention",
+                kind="full_attention",
+                block_size=16,
+                layers=32,
+                plane_bytes=(page, page),
+                blocks_per_job=_blocks(PROMPT_TOKENS, 16),
+            ),
+        ),
+    )
+
+
+def _deepseek_mla() -> Case:
+    page = mla_page_bytes(16, 576, BF16)
+    return Case(
+        name="deepseek-mla",
+        description=(
+            "DeepSeek-like MLA: 61 layers, 576-value latent (512 + 64 rope), bf16, "
+            f"16-token blocks -> one {page:,} B page per layer"
+        ),
+        groups=(
+            GroupShape(
+                name="mla",
+                kind="mla",
+                block_size=16,
+                layers=61,
+                plane_bytes=(page,),
+                blocks_per_job=_blocks(PROMPT_TOKENS, 16),
+            ),
+        ),
+    )
+
+
+def _mamba_hybrid() -> Case:
+    # Qwen3-Next-like: 48 layers, 1 in 4 full attention (2 KV heads x 256), the rest
+    # linear attention with a Mamba-style state: conv over 2*16*128 + 32*128 = 8192
+    # channels with kernel 4, recurrent state 32 heads x 128 x 128 kept in fp32.
+    # The attention block size is raised to 256 tokens, as vLLM's hybrid allocator
+    # raises it toward the Mamba page size; with 16-token blocks a pool row (sized for
+    # the largest group: 36 Mamba layers, 75 MiB) per attention block would need GBs.
+    block = 256
+    page = attention_page_bytes(block, 2, 256, BF16)
+    conv = mamba_conv_bytes(8192, 4, BF16)
+    ssm = mamba_ssm_bytes(32, 128, 128, FP32)
+    return Case(
+        name="mamba-hybrid",
+        description=(
+            f"Qwen3-Next/Nemotron-H-like hybrid: 12 attention layers ({block}-token blocks, "
+            f"K/V pages of {page // KiB} KiB) + 36 Mamba layers (conv state {conv // KiB} KiB, "
+            f"SSM state {ssm // MiB} MiB fp32); a job moves the prompt's attention blocks "
+            "and the one state at the hit end"
+        ),
+        groups=(
+            GroupShape(
+                name="attention",
+                kind="full_attention",
+                block_size=block,
+                layers=12,
+                plane_bytes=(page, page),
+                blocks_per_job=_blocks(PROMPT_TOKENS, block),
+            ),
+            GroupShape(
+                name="mamba",
+                kind="mamba",
+                block_size=block,
+                layers=36,
+                plane_bytes=(conv, ssm),
+                blocks_per_job=1,
+                mamba_cache_mode="align",
+            ),
+        ),
+    )
+
+
+def _swa_hybrid() -> Case:
+    # gpt-oss-like: 36 layers alternating full attention and a 128-token sliding
+    # window, 8 KV heads x 64, bf16.
+    page = attention_page_bytes(16, 8, 64, BF16)
+    window = 128
+    return Case(
+        name="swa-hybrid",
+        description=(
+            "gpt-oss-like hybrid: 18 full-attention + 18 sliding-window (128 tokens) layers, "
+            f"8 KV heads x 64, bf16 -> K/V pages of {page // KiB} KiB; the window group "
+            "moves only the blocks its window covers"
+        ),
+        groups=(
+            GroupShape(
+                name="full",
+                kind="full_attention",
+                block_size=16,
+                layers=18,
+                plane_bytes=(page, page),
+                blocks_per_job=_blocks(PROMPT_TOKENS, 16),
+            ),
+            GroupShape(
+                name="sliding",
+                kind="sliding_window",
+                block_size=16,
+                layers=18,
+                plane_bytes=(page, page),
+                # the window plus the partially covered block before it
+                blocks_per_job=_blocks(window, 16) + 1,
+                sliding_window=window,
+            ),
+        ),
+    )
+
+
+PRESETS: dict[str, Case] = {
+    case.name: case
+    for case in (
+        _llama_8b(1),
+        _llama_8b(4),
+        _deepseek_mla(),
+        _mamba_hybrid(),
+        _swa_hybrid(),
+    )
+}
+
+#: Raw sweep axes: page size 4 KiB .. 2 MiB, pages per job 16 .. 100k.
+SWEEP_PAGE_BYTES: tuple[int, ...] = (4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, 2 * MiB)
+SWEEP_PAGES: tuple[int, ...] = (16, 1024, 16384, 100_000)
+
+
+def sweep_case(page_bytes: int, pages: int) -> Case:
+    """One raw-sweep case: one group, one layer, one plane of ``page_bytes``."""
+    if page_bytes < 1:
+        raise ValueError(f"page size {page_bytes} must be >= 1 byte")
+    if pages < 1:
+        raise ValueError(f"pages per job {pages} must be >= 1")
+    return Case(
+        name=f"sweep-{size_label(page_bytes)}x{pages}",
+        description=f"raw sweep: {pages} pages of {size_label(page_bytes)}",
+        groups=(
+            GroupShape(
+                name="pages",
+                kind="full_attention",
+                block_size=16,
+                layers=1,
+                plane_bytes=(page_bytes,),
+                blocks_per_job=pages,
+            ),
+        ),
+        sweep=True,
+    )
+
+
+def sweep_cases(
+    page_sizes: Sequence[int] = SWEEP_PAGE_BYTES,
+    pages: Sequence[int] = SWEEP_PAGES,
+    *,
+    max_job_bytes: int,
+) -> tuple[list[Case], list[str]]:
+    """The sweep grid, minus combinations over ``max_job_bytes`` (returned as notes)."""
+    cases: list[Case] = []
+    skipped: list[str] = []
+    for size in page_sizes:
+        for count in pages:
+            if size * count > max_job_bytes:
+                skipped.append(
+                    f"{size_label(size)} x {count} pages = {size * count / MiB:.0f} MiB "
+                    f"exceeds the {max_job_bytes / MiB:.0f} MiB per-job cap"
+                )
+                continue
+            cases.append(sweep_case(size, count))
+    return cases, skipped
+
+
+def scale_case(case: Case, target_bytes: int) -> Case:
+    """Scale ``case`` down to about ``target_bytes`` per job, keeping its page shapes.
+
+    Layer counts shrink first (never below 1 per group); if one layer per group is still
+    too big, the blocks per job shrink too (never below 1). A case already under the
+    target is returned unchanged.
+    """
+    if target_bytes < 1:
+        raise ValueError(f"target bytes {target_bytes} must be >= 1")
+    if case.job_bytes <= target_bytes:
+        return case
+    factor = target_bytes / case.job_bytes
+    groups = [replace(g, layers=max(1, round(g.layers * factor))) for g in case.groups]
+    total = sum(g.job_bytes for g in groups)
+    if total > target_bytes:
+        factor = target_bytes / total
+        groups = [
+            replace(g, blocks_per_job=max(1, math.floor(g.blocks_per_job * factor))) for g in groups
+        ]
+    return replace(case, groups=tuple(groups))
+
+
+def size_label(size: int) -> str:
+    """``4096 -> '4KiB'``, ``2097152 -> '2MiB'``, other sizes in bytes."""
+    if size % MiB == 0:
+        return f"{size // MiB}MiB"
+    if size % KiB == 0:
+        return f"{size // KiB}KiB"
+    return f"{size}B"
+
+
+def parse_size(text: str) -> int:
+    """``'4k'``, ``'4KiB'``, ``'2m'``, ``'512'`` -> bytes; ValueError naming the text."""
+    cleaned = text.strip().lower().replace("ib", "").replace("b", "")
+    units = {"k": KiB, "m": MiB, "g": 1024 * MiB}
+    try:
+        if cleaned and cleaned[-1] in units:
+            value = int(cleaned[:-1]) * units[cleaned[-1]]
+        else:
+            value = int(cleaned)
+    except ValueError:
+        raise ValueError(f"page size {text!r} is not a size (e.g. 4k, 64KiB, 2m)") from None
+    if value < 1:
+        raise ValueError(f"page size {text!r} must be at least 1 byte")
+    return value
+
+
+__all__ = [
+    "CPU_TARGET_BYTES",
+    "PRESETS",
+    "PROMPT_TOKENS",
+    "QUICK_TARGET_BYTES",
+    "SWEEP_PAGES",
+    "SWEEP_PAGE_BYTES",
+    "Case",
+    "GroupShape",
+    "attention_page_bytes",
+    "mamba_conv_bytes",
+    "mamba_ssm_bytes",
+    "mla_page_bytes",
+    "parse_size",
+    "scale_case",
+    "size_label",
+    "sweep_case",
+    "sweep_cases",
+]
