@@ -33,13 +33,20 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from triton_offload.groups import GroupKind, GroupSpec, ParallelSpec
-from triton_offload.host_blocks import HostBlockManager, StoreHandle
-from triton_offload.plan import OffloadPlan, plan_offload
+# Only the library's public names: the loop is what an engine integration would write.
+from triton_offload import (
+    GroupKind,
+    GroupSpec,
+    HostBlockManager,
+    OffloadPlan,
+    ParallelSpec,
+    plan_offload,
+)
+from triton_offload.host_blocks import StoreHandle
 from triton_offload.verify.model import HybridCache, HybridModel, ModelConfig, RequestBlocks
 
 if TYPE_CHECKING:
-    from triton_offload.engine import TransferEngine
+    from triton_offload import TransferEngine
 
 __all__ = [
     "INJECTIONS",
@@ -171,7 +178,7 @@ class OffloadServer:
     ) -> None:
         # Imported here, not at module level: `verify --backend triton` must switch the
         # Triton interpreter on before the engine imports the kernels.
-        from triton_offload.engine import TransferEngine
+        from triton_offload import TransferEngine
 
         if inject is not None and inject not in INJECTIONS:
             raise ValueError(f"inject {inject!r} is not one of {INJECTIONS}")
