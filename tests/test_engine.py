@@ -305,3 +305,68 @@ def test_failing_job_is_reported_and_the_next_works(
     plane = engine.layout.planes[0]
     assert torch.equal(engine.pool_view(0)[1, 0], plane.view[2])
     assert calls["n"] == 2
+
+
+class _HostCopies:
+    """Stands in for the CUDA API: performs each 'async' copy at once with memmove."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int, int, int]] = []
+
+    def memcpy_async(self, dst: int, src: int, size: int, stream: int) -> None:
+        import ctypes
+
+        self.calls.append((dst, src, size, stream))
+        ctypes.memmove(dst, src, size)
+
+
+@pytest.mark.parametrize("blocks_per_chunk", [1, 3])
+def test_dma_copies_address_the_same_bytes_as_the_cpu_path(blocks_per_chunk: int) -> None:
+    """The DMA path's address arithmetic (run merging included), checked on host memory."""
+    from types import SimpleNamespace
+
+    from triton_offload.engine import FROM_POOL, TO_POOL, DmaCopier
+
+    gpu, host, first = store_job(blocks_per_chunk)
+    runs_gpu, runs_host = ([[0, 1, 2], [], [8, 9]], [[5], [], [6]])
+    if blocks_per_chunk == 1:
+        runs_host = [[5, 4, 7], [], [6, 1]]
+    targets = [[1, 3, 8, 10], [0, 6], [2, 11, 7]]
+    jobs = [
+        (TO_POOL, gpu, host, first),
+        (TO_POOL, runs_gpu, runs_host, None),
+        (FROM_POOL, [t[: len(g)] for t, g in zip(targets, gpu, strict=True)], host, first),
+    ]
+    states = []
+    copies = 0
+    for path in ("torch", "dma"):
+        caches, storages = hybrid_caches(seed=11)
+        engine = make_engine(caches, blocks_per_chunk, "torch")
+        api = _HostCopies()
+        copier = DmaCopier(engine.layout, engine.pool_address, engine.row_bytes, api=api)
+        stream = SimpleNamespace(cuda_stream=1234)
+        for job, (direction, gpu_blocks, host_blocks, first_index) in enumerate(jobs):
+            if path == "torch":
+                if direction == TO_POOL:
+                    engine.submit_store(job, gpu_blocks, host_blocks, first_index)
+                else:
+                    engine.submit_load(job, host_blocks, gpu_blocks, first_index)
+                assert engine.get_finished()[0].success
+            else:
+                pairs, offsets = engine.build_job_table(
+                    gpu_blocks, host_blocks, first_index, direction
+                )
+                copier.copy(pairs, offsets, direction, stream)
+                copies += copier.last_copy_count
+        states.append([engine.pool.clone(), *snapshot(storages)])
+        if path == "dma":
+            assert {call[3] for call in api.calls} == {1234}
+            pages = sum(
+                len(g) * len(engine.layout.group_planes[i])
+                for job in jobs
+                for i, g in enumerate(job[1])
+            )
+            if blocks_per_chunk == 3:
+                assert copies < pages  # the adjacent K/V pages of job 1 were merged
+            assert len(api.calls) == copies
+    assert all(torch.equal(a, b) for a, b in zip(*states, strict=True))

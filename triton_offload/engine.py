@@ -193,11 +193,13 @@ class DmaCopier:
     or K/V-interleaved plane is copied page by page.
     """
 
-    def __init__(self, layout: CacheLayout, pool_address: int, row_bytes: int) -> None:
+    def __init__(
+        self, layout: CacheLayout, pool_address: int, row_bytes: int, api: Any = None
+    ) -> None:
         self.layout = layout
         self.pool_address = pool_address
         self.row_bytes = row_bytes
-        self.api = cuda_api()
+        self.api = cuda_api() if api is None else api
         self.last_copy_count = 0
 
     def copy(self, pairs: np.ndarray, offsets: np.ndarray, direction: int, stream: Any) -> None:

@@ -1,0 +1,250 @@
+"""TransferEngine on a GPU: pinned pool, stream ordering, Triton vs DMA, calibration.
+
+All tests are marked ``cuda`` (skipped with a reason without a GPU) and run in
+``bench/gpu_check.sh``. Sizes are small: the point is ordering and exactness.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from triton_offload import GroupSpec, ParallelSpec, plan_offload
+from triton_offload.engine import TransferEngine
+
+pytestmark = pytest.mark.cuda
+
+NUM_BLOCKS = 16
+HOST_BLOCKS = 12
+
+
+def plan(blocks_per_chunk: int = 2) -> Any:
+    groups = [
+        GroupSpec("full_attention", 16),
+        GroupSpec("sliding_window", 16, sliding_window=64),
+        GroupSpec("mamba", 16, mamba_cache_mode="align"),
+    ]
+    return plan_offload(groups, ParallelSpec(dcp_size=2), blocks_per_chunk=blocks_per_chunk)
+
+
+def random_fill(tensor: torch.Tensor, seed: int) -> None:
+    raw = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
+    generator = torch.Generator().manual_seed(seed)
+    raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=generator))
+
+
+def hybrid_caches(seed: int = 0) -> tuple[list, list[torch.Tensor]]:
+    device = torch.device("cuda")
+    kv = torch.empty(2, NUM_BLOCKS, 16, 4, 64, dtype=torch.bfloat16, device=device)  # 8 KiB
+    padded = torch.empty(NUM_BLOCKS, 16 * 4 * 32 + 24, dtype=torch.float16, device=device)
+    window = padded[:, 8 : 8 + 16 * 4 * 32].unflatten(1, (16, 4, 32))  # 4 KiB, stride +48 B
+    conv = torch.empty(NUM_BLOCKS, 3, 45, dtype=torch.float16, device=device)  # 270 B
+    ssm = torch.empty(NUM_BLOCKS, 8, 64, 33, dtype=torch.float32, device=device)  # ~66 KiB
+    storages = [kv, padded, conv, ssm]
+    for index, tensor in enumerate(storages):
+        random_fill(tensor, seed + index)
+    return [[(kv[0], kv[1])], [window], [(conv, ssm)]], storages
+
+
+def host_bytes(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    out = []
+    for tensor in tensors:
+        raw = torch.empty(0, dtype=torch.uint8, device=tensor.device)
+        out.append(raw.set_(tensor.untyped_storage()).cpu())
+    return out
+
+
+def drain(engine: TransferEngine, count: int) -> list:
+    results: list = []
+    while len(results) < count:
+        results += engine.get_finished()
+    return results
+
+
+STORE = ([[3, 9, 4], [0, 15], [7]], [[2, 5], [11], [8]], [1, 1, 0])
+LOAD_TARGETS = [[1, 2, 10], [6, 8], [12]]
+
+
+@pytest.mark.parametrize("backend", ["triton", "dma", "auto"])
+def test_round_trip(backend: str) -> None:
+    caches, storages = hybrid_caches()
+    kwargs = {"crossover": 32 << 10} if backend == "auto" else {}  # configured: no calibration
+    engine = TransferEngine(plan(), caches, HOST_BLOCKS, backend=backend, **kwargs)
+    assert engine.pool.is_pinned()
+    engine.pool.copy_(torch.randint(0, 256, engine.pool.shape, dtype=torch.uint8))
+    pool_before = engine.pool.clone()
+    before = host_bytes(storages)
+
+    gpu, host, first = STORE
+    assert engine.submit_store("s", gpu, host, first)
+    engine.wait(["s"])
+    (result,) = drain(engine, 1)
+    assert result.success and result.transfer_time > 0
+    expected_size = sum(
+        len(blocks) * engine.layout.bytes_per_block[g] for g, blocks in enumerate(gpu)
+    )
+    assert result.transfer_size == expected_size
+    assert all(torch.equal(a, b) for a, b in zip(host_bytes(storages), before, strict=True))
+
+    expected = pool_before.clone()
+    pairs, offsets = engine.last_job_table
+    for group in range(engine.num_groups):
+        for block, row, slot in pairs[offsets[group] : offsets[group + 1]].tolist():
+            for index in engine.layout.group_planes[group]:
+                plane = engine.layout.planes[index]
+                start = plane.pool_offset + slot * plane.page_bytes
+                expected[row, start : start + plane.page_bytes] = plane.view[block].cpu()
+    assert torch.equal(engine.pool, expected)
+
+    for group, blocks in enumerate(gpu):  # poison the stored blocks
+        for index in engine.layout.group_planes[group]:
+            engine.layout.planes[index].view[blocks] = 0xAB
+    assert engine.submit_load("l", host, LOAD_TARGETS, first)
+    engine.wait(["l"])
+    assert drain(engine, 1)[0].success
+    for group, (blocks, targets) in enumerate(zip(gpu, LOAD_TARGETS, strict=True)):
+        for index in engine.layout.group_planes[group]:
+            view = engine.layout.planes[index].view.cpu()
+            for block, target in zip(blocks, targets, strict=True):
+                plane = engine.layout.planes[index]
+                # The page as it was before the store: from the byte snapshot.
+                storage = next(
+                    (s, b)
+                    for s, b in zip(storages, before, strict=True)
+                    if s.data_ptr() <= plane.base_address < s.data_ptr() + b.numel()
+                )
+                offset = plane.base_address - storage[0].data_ptr() + block * plane.block_stride
+                assert torch.equal(view[target], storage[1][offset : offset + plane.page_bytes])
+    engine.shutdown()
+
+
+def test_triton_and_dma_give_identical_pool_bytes() -> None:
+    pools = []
+    for backend in ("triton", "dma"):
+        caches, _ = hybrid_caches(seed=4)
+        engine = TransferEngine(plan(3), caches, HOST_BLOCKS, backend=backend)
+        engine.submit_store(0, [[5, 6, 7, 8], [1], [2, 3]], [[0, 1], [2], [3]], [2, 0, 1])
+        engine.submit_store(1, [[0, 1, 2], [3, 4], []], [[4], [5, 6], []], [0, 2, 0])
+        assert all(r.success for r in drain(engine, 2))
+        pools.append(engine.pool.clone())
+        engine.shutdown()
+    assert torch.equal(pools[0], pools[1])
+
+
+@pytest.mark.parametrize("backend", ["triton", "dma"])
+def test_store_waits_for_the_compute_stream(backend: str) -> None:
+    """RAW: a store submitted after a (slow) writer kernel must copy what it wrote."""
+    caches, _ = hybrid_caches()
+    engine = TransferEngine(plan(1), caches, HOST_BLOCKS, backend=backend)
+    kv = caches[0][0][0]
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s on the compute stream before the write
+    kv[4].fill_(7.0)
+    engine.submit_store(0, [[4], [], []], [[9], [], []])
+    engine.wait([0])
+    assert drain(engine, 1)[0].success
+    expected = torch.full_like(kv[4], 7.0).view(torch.uint8).flatten().cpu()
+    assert torch.equal(engine.pool_view(0)[9, 0], expected)
+
+
+@pytest.mark.parametrize("backend", ["triton", "dma"])
+def test_load_waits_for_the_compute_stream(backend: str) -> None:
+    """WAR: a load must not overwrite a block that a queued reader has not read yet."""
+    caches, _ = hybrid_caches()
+    engine = TransferEngine(plan(1), caches, HOST_BLOCKS, backend=backend)
+    kv = caches[0][0][0]
+    kv[5].fill_(1.0)
+    engine.pool.fill_(0)  # the load writes zeros into block 5
+    torch.cuda.synchronize()
+    read = torch.empty_like(kv[5])
+    torch.cuda._sleep(200_000_000)
+    read.copy_(kv[5])  # the reader, queued behind the sleep
+    engine.submit_load(0, [[3], [], []], [[5], [], []])
+    engine.wait([0])
+    torch.cuda.synchronize()
+    assert drain(engine, 1)[0].success
+    assert torch.equal(read, torch.ones_like(read))
+    assert torch.equal(kv[5], torch.zeros_like(kv[5]))
+
+
+def test_fifo_per_direction_and_staging_reuse() -> None:
+    caches, _ = hybrid_caches()
+    engine = TransferEngine(plan(1), caches, HOST_BLOCKS, backend="triton")
+    jobs = 3 * 64 + 5  # more jobs than staging buffers
+    for job in range(jobs):
+        engine.submit_store(("s", job), [[job % NUM_BLOCKS], [], []], [[job % HOST_BLOCKS], [], []])
+    engine.submit_load(("l", 0), [[0], [], []], [[15], [], []])
+    results = drain(engine, jobs + 1)
+    stores = [r.job_id for r in results if r.job_id[0] == "s"]
+    assert stores == [("s", job) for job in range(jobs)]
+    assert all(r.success for r in results)
+    last = max(j for j in range(jobs) if j % HOST_BLOCKS == 0)
+    assert torch.equal(engine.pool_view(0)[0, 0], engine.layout.planes[0].view[last % 16].cpu())
+
+
+def test_dma_merges_contiguous_runs() -> None:
+    caches, _ = hybrid_caches()
+    engine = TransferEngine(plan(4), caches, HOST_BLOCKS, backend="dma")
+    engine.submit_store(0, [[4, 5, 6, 7], [], []], [[2], [], []])
+    engine.wait([0])
+    # K and V planes: one copy per plane for the 4 adjacent blocks in 4 adjacent slots.
+    assert engine._dma.last_copy_count == 2
+    engine.submit_store(1, [[], [4, 5, 6, 7], []], [[], [3], []])
+    engine.wait([1])
+    assert engine._dma.last_copy_count == 4  # padded plane: one copy per page
+    assert all(r.success for r in drain(engine, 2))
+
+
+def test_pool_pinned_in_pieces_with_one_device_mapping() -> None:
+    from triton_offload.pool import cuda_api
+
+    caches, _ = hybrid_caches()
+    engine = TransferEngine(
+        plan(1), caches, HOST_BLOCKS, backend="triton", pool_piece_bytes=64 << 10
+    )
+    assert len(engine._pool._pieces) > 1
+    assert engine.pool.is_pinned()
+    assert engine.pool_address == cuda_api().device_pointer(engine.pool.data_ptr())
+    engine.submit_store(0, [[1], [2], [3]], [[0], [HOST_BLOCKS - 1], [5]])
+    engine.wait([0])
+    assert drain(engine, 1)[0].success
+    assert torch.equal(
+        engine.pool_view(2)[HOST_BLOCKS - 1, 0], engine.layout.planes[2].view[2].cpu()
+    )
+    engine.shutdown()
+
+
+def test_pageable_pool_and_cpu_backend_rejected() -> None:
+    caches, _ = hybrid_caches()
+    engine = TransferEngine(plan(1), caches, HOST_BLOCKS, backend="dma")
+    pageable = torch.zeros(HOST_BLOCKS, engine.row_bytes, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="pool is pageable host memory"):
+        TransferEngine(plan(1), caches, HOST_BLOCKS, backend="dma", pool=pageable)
+    with pytest.raises(ValueError, match="backend 'torch' is the CPU path"):
+        TransferEngine(plan(1), caches, HOST_BLOCKS, backend="torch")
+
+
+def test_calibrated_crossover_and_configured_threshold() -> None:
+    caches, _ = hybrid_caches()
+    engine = TransferEngine(plan(1), caches, HOST_BLOCKS, backend="auto")
+    grid = engine.crossover.grid
+    assert set(grid) == {0, 1}
+    for points in grid.values():
+        assert points and set(points.values()) <= {"dma", "triton"}
+    engine.submit_store(0, [[1], [2], [3]], [[0], [1], [2]])
+    assert engine.last_job_backend in ("dma", "triton")
+    assert drain(engine, 1)[0].success
+
+    always_dma = TransferEngine(plan(1), caches, HOST_BLOCKS, backend="auto", crossover=0)
+    always_dma.submit_store(0, [[1], [], []], [[0], [], []])
+    assert always_dma.last_job_backend == "dma"
+    never = TransferEngine(
+        plan(1), caches, HOST_BLOCKS, backend="auto", crossover={"store": 1 << 40, "load": 0}
+    )
+    never.submit_store(0, [[1], [], []], [[0], [], []])
+    assert never.last_job_backend == "triton"
+    never.submit_load(1, [[0], [], []], [[2], [], []])
+    assert never.last_job_backend == "dma"
+    assert all(r.success for r in drain(always_dma, 1) + drain(never, 2))
