@@ -32,6 +32,7 @@ host address is usable on the device.
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -428,13 +429,21 @@ def _host_int64(name: str, table: Any) -> np.ndarray:
     return array.astype(np.int64, copy=False)
 
 
-def _first_duplicate(*columns: np.ndarray) -> tuple[int, int] | None:
-    """Indices (earlier, later) of the first row whose key tuple repeats an earlier one."""
-    order = np.lexsort(columns[::-1])
-    keys = np.stack(columns, axis=1)[order]
-    repeated = np.flatnonzero(np.all(keys[1:] == keys[:-1], axis=1))
-    if repeated.size == 0:
+def _first_duplicate(
+    major: np.ndarray, minor: np.ndarray, minor_limit: int
+) -> tuple[int, int] | None:
+    """Indices (earlier, later) of the first pair whose (major, minor) key repeats, or None.
+
+    Keys are packed into one int64 (``minor`` is in ``[0, minor_limit)``) so that the
+    common case, no repeat, costs one sort.
+    """
+    if int(major.max()) >= _INT64_MAX // max(minor_limit, 1):
+        raise ValueError(f"ids too large to check for repeats: {int(major.max())}")
+    keys = major * minor_limit + minor
+    if not np.any(np.diff(np.sort(keys)) == 0):
         return None
+    order = np.argsort(keys, kind="stable")
+    repeated = np.flatnonzero(keys[order][1:] == keys[order][:-1])
     seconds = order[repeated + 1]
     k = int(np.argmin(seconds))
     return int(order[repeated[k]]), int(seconds[k])
@@ -496,7 +505,8 @@ def validate_pairs(
     if direction == Direction.TO_POOL:
         # Destination page = (group, row, slot); groups whose planes share row bytes also
         # clash on the same row whatever the slot.
-        clash = _first_duplicate(groups, table[:, 1], table[:, 2])
+        bpc = layout.blocks_per_chunk
+        clash = _first_duplicate(groups, table[:, 1] * bpc + table[:, 2], layout.pool_rows * bpc)
         if clash is not None:
             i, j = clash
             raise ValueError(
@@ -505,20 +515,35 @@ def validate_pairs(
             )
         shared, column, what = layout.pool_shared_groups, 1, "pool row"
     else:
-        clash = _first_duplicate(groups, table[:, 0])
+        clash = _first_duplicate(groups, table[:, 0], int(table[:, 0].max()) + 1)
         if clash is not None:
             i, j = clash
             raise ValueError(
                 f"pairs {i} and {j} both write GPU block id {table[j, 0]} (group {groups[j]})"
             )
         shared, column, what = layout.cache_alias_groups, 0, "GPU block id"
+    if not shared:
+        return
+    num_groups = layout.num_groups
+    conflicts = np.zeros((num_groups, num_groups), dtype=bool)
     for g, h in shared:
-        rows_g = table[offsets[g] : offsets[g + 1], column]
-        rows_h = table[offsets[h] : offsets[h + 1], column]
-        common = np.intersect1d(rows_g, rows_h)
-        if common.size:
+        conflicts[g, h] = conflicts[h, g] = True
+    ids = table[:, column]
+    if int(ids.max()) >= _INT64_MAX // num_groups:
+        raise ValueError(f"{what} {int(ids.max())} too large to check for clashes")
+    # Distinct (id, group) keys in id order: each id has at most num_groups entries, so
+    # comparing every entry with the next num_groups - 1 ones finds all same-id pairs.
+    keys = np.sort(ids * num_groups + groups)
+    keys = keys[np.concatenate(([True], keys[1:] != keys[:-1]))]
+    key_ids, key_groups = keys // num_groups, keys % num_groups
+    for distance in range(1, num_groups):
+        a, b = slice(None, -distance), slice(distance, None)
+        hit = (key_ids[a] == key_ids[b]) & conflicts[key_groups[a], key_groups[b]]
+        if np.any(hit):
+            k = int(np.flatnonzero(hit)[0])
+            g, h = int(key_groups[k]), int(key_groups[k + distance])
             raise ValueError(
-                f"{what} {common[0]} is written by groups {g} and {h}, whose planes share "
+                f"{what} {key_ids[k]} is written by groups {g} and {h}, whose planes share "
                 "those bytes"
             )
 
@@ -532,7 +557,13 @@ def default_num_programs(device: torch.device | str | int) -> int:
     device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
     if _INTERPRETED or device.type != "cuda":
         return INTERPRETER_NUM_PROGRAMS
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_num_programs(index)
+
+
+@functools.cache
+def _cuda_num_programs(index: int) -> int:
+    sms = torch.cuda.get_device_properties(index).multi_processor_count
     return max(1, min(sms, PCIE_IN_FLIGHT_TARGET_BYTES // TILE_BYTES))
 
 

@@ -274,3 +274,21 @@ def test_nothing_moves_when_the_last_pair_is_bad(direction: Direction) -> None:
         copy_blocks(layout, pairs, torch.tensor([0, 4]), pool, direction)
     assert torch.equal(cache, cache_before)
     assert torch.equal(pool, pool_before)
+
+
+def test_clash_between_groups_that_are_not_neighbours_in_a_row() -> None:
+    # Groups 0 and 2 share row bytes [0, 512); group 1 sits in [512, 1024) apart from both.
+    layout = build(
+        [
+            plane(),
+            plane(group=1, base_address=1 << 22, pool_offset=BPC * 256),
+            plane(group=2, base_address=1 << 23),
+        ],
+        num_groups=3,
+    )
+    assert layout.pool_shared_groups == ((0, 2),)
+    # Row 4 is used by all three groups: only groups 0 and 2 clash.
+    pairs = [[1, 4, 0], [2, 4, 1], [3, 4, 1]]
+    with pytest.raises(ValueError, match="pool row 4 is written by groups 0 and 2"):
+        check(layout, pairs, [0, 1, 2, 3], Direction.TO_POOL)
+    check(layout, [[1, 4, 0], [2, 4, 1], [3, 5, 1]], [0, 1, 2, 3], Direction.TO_POOL)
