@@ -19,6 +19,7 @@ _EXPORTS: dict[str, str] = {
     "GroupKind": "triton_offload.groups",
     "GroupSpec": "triton_offload.groups",
     "ParallelSpec": "triton_offload.groups",
+    "PlanningError": "triton_offload.groups",
     "OffloadPlan": "triton_offload.plan",
     "GroupPlan": "triton_offload.plan",
     "plan_offload": "triton_offload.plan",
@@ -35,6 +36,7 @@ __all__ = [
     "HostBlockManager",
     "OffloadPlan",
     "ParallelSpec",
+    "PlanningError",
     "TransferEngine",
     "TransferResult",
     "__version__",
@@ -44,7 +46,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from triton_offload.engine import TransferEngine, TransferResult
-    from triton_offload.groups import GroupKind, GroupSpec, ParallelSpec
+    from triton_offload.groups import GroupKind, GroupSpec, ParallelSpec, PlanningError
     from triton_offload.host_blocks import HostBlockManager
     from triton_offload.lookup import is_store_reachable_chunk
     from triton_offload.plan import GroupPlan, OffloadPlan, plan_offload
