@@ -379,6 +379,7 @@ class CopyLayout:
                         )
                     )
             group_rows.append((len(tiles) - first, first))
+        group_num_blocks.setflags(write=False)
         device = torch.device(device)
         tile_table = torch.tensor(tiles, dtype=torch.int64).reshape(-1, 5).to(device)
         group_table = torch.tensor(group_rows, dtype=torch.int64).reshape(-1, 2).to(device)
