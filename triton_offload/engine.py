@@ -27,6 +27,7 @@ submit and ``get_finished`` reports them once, in submit order.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -432,14 +433,16 @@ class TransferEngine:
             device=self.device,
         )
 
-        if pool is None:
-            self._pool: HostPool = allocate_pool(
-                num_host_blocks, self.row_bytes, pinned=self.cuda, piece_bytes=pool_piece_bytes
-            )
-        else:
-            self._pool = wrap_pool(
-                pool, rows=num_host_blocks, row_bytes=self.row_bytes, cuda=self.cuda
-            )
+        # Registration and device pointers refer to the current device's context.
+        with torch.cuda.device(self.device) if self.cuda else contextlib.nullcontext():
+            if pool is None:
+                self._pool: HostPool = allocate_pool(
+                    num_host_blocks, self.row_bytes, pinned=self.cuda, piece_bytes=pool_piece_bytes
+                )
+            else:
+                self._pool = wrap_pool(
+                    pool, rows=num_host_blocks, row_bytes=self.row_bytes, cuda=self.cuda
+                )
         self.pool: torch.Tensor = self._pool.tensor
         self.pool_address: int = self._pool.device_address
 
@@ -469,7 +472,8 @@ class TransferEngine:
             if backend in ("dma", "auto"):
                 self._dma = DmaCopier(self.layout, self._pool.device_address, self.row_bytes)
             if backend == "auto":
-                self.crossover = self._resolve_crossover(crossover)
+                with torch.cuda.device(self.device):
+                    self.crossover = self._resolve_crossover(crossover)
 
     # ------------------------------------------------------------------ set-up
 
@@ -506,7 +510,7 @@ class TransferEngine:
 
     # --------------------------------------------------------------- job table
 
-    def _per_group(self, values: Any, what: str) -> Sequence[Any]:
+    def _per_group(self, values: Any, what: str) -> Any:
         if isinstance(values, (str, bytes)) or not isinstance(values, (Sequence, np.ndarray)):
             raise ValueError(f"{what} must be a sequence with one entry per group, got {values!r}")
         if len(values) != self.num_groups:
