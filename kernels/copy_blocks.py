@@ -52,6 +52,7 @@ __all__ = [
     "PlaneGeometry",
     "copy_blocks",
     "default_num_programs",
+    "grid_size",
     "launch_copy",
     "validate_pairs",
 ]
@@ -65,11 +66,13 @@ NARROW_BYTES = 1024
 NUM_WARPS = 4
 
 # Bytes that must be in flight to keep PCIe Gen5 x16 busy: ~55 GB/s x ~2 us host-read
-# round trip ~= 110 KB (DESIGN.md §5 quotes ~100 KB). Each program keeps one tile in
-# flight and spends part of every item on table loads and the store, so we ask for twice
-# that: 256 KiB / 8 KiB tiles = 32 programs. 32 of an H100's 132 SMs leaves the rest to
-# the forward pass that runs concurrently on the compute stream. Not tuned on a GPU yet:
-# the bench sweep of num_programs is the measurement that should replace this guess.
+# round trip ~= 110 KB (DESIGN.md §5 quotes ~100 KB). Each program keeps one item (one
+# tile, at most TILE_BYTES) in flight and spends part of every item on table loads and
+# the store, so we ask for twice that: with full 8 KiB tiles, 256 KiB / 8 KiB = 32
+# programs; with smaller pages (mean tile of 2 KiB: 128 programs) more, up to the SM
+# count. 32 of an H100's 132 SMs leaves the rest to the forward pass that runs
+# concurrently on the compute stream. Not tuned on a GPU yet: the bench sweep of
+# num_programs is the measurement that should replace this estimate.
 PCIE_IN_FLIGHT_TARGET_BYTES = 256 * 1024
 # The interpreter runs programs one after another; a few programs still exercise the
 # grid-stride walk (items owned by several programs, group boundaries mid-stride).
@@ -289,6 +292,7 @@ class CopyLayout:
     pool_rows: int
     device: torch.device
     tile_bytes: int
+    mean_tile_bytes: int
     tile_table: torch.Tensor
     group_table: torch.Tensor
     group_num_blocks: np.ndarray
@@ -407,6 +411,7 @@ class CopyLayout:
             pool_rows=pool_rows,
             device=device,
             tile_bytes=TILE_BYTES,
+            mean_tile_bytes=(sum(t[4] for t in tiles) // len(tiles) if tiles else TILE_BYTES),
             tile_table=tile_table,
             group_table=group_table,
             group_num_blocks=group_num_blocks,
@@ -549,23 +554,33 @@ def validate_pairs(
             )
 
 
-def default_num_programs(device: torch.device | str | int) -> int:
-    """Persistent-grid size: enough tiles in flight for PCIe, capped at the SM count.
+def default_num_programs(
+    device: torch.device | str | int, mean_tile_bytes: int = TILE_BYTES
+) -> int:
+    """Persistent-grid size: enough bytes in flight for PCIe, capped at the SM count.
 
-    See ``PCIE_IN_FLIGHT_TARGET_BYTES`` for the reasoning (32 programs of 8 KiB tiles);
-    under the interpreter (CPU tensors) a small grid keeps tests fast.
+    ``ceil(PCIE_IN_FLIGHT_TARGET_BYTES / mean_tile_bytes)`` programs (32 for full 8 KiB
+    tiles; see the constant for the reasoning), at most one per SM. ``mean_tile_bytes``
+    is the layout's mean item size (``CopyLayout.mean_tile_bytes``): small pages leave
+    each program fewer bytes in flight, so they get more programs. Under the interpreter
+    (CPU tensors) a small grid keeps tests fast.
     """
     device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
     if _INTERPRETED or device.type != "cuda":
         return INTERPRETER_NUM_PROGRAMS
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return _cuda_num_programs(index)
+    return grid_size(_sm_count(index), mean_tile_bytes)
+
+
+def grid_size(sm_count: int, mean_tile_bytes: int) -> int:
+    """The launch setting itself, a pure function: see ``PCIE_IN_FLIGHT_TARGET_BYTES``."""
+    wanted = -(-PCIE_IN_FLIGHT_TARGET_BYTES // max(1, min(int(mean_tile_bytes), TILE_BYTES)))
+    return max(1, min(sm_count, wanted))
 
 
 @functools.cache
-def _cuda_num_programs(index: int) -> int:
-    sms = torch.cuda.get_device_properties(index).multi_processor_count
-    return max(1, min(sms, PCIE_IN_FLIGHT_TARGET_BYTES // TILE_BYTES))
+def _sm_count(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
 
 
 def launch_copy(
@@ -586,7 +601,7 @@ def launch_copy(
     if pairs.shape[0] == 0:
         return
     if num_programs is None:
-        num_programs = default_num_programs(layout.device)
+        num_programs = default_num_programs(layout.device, layout.mean_tile_bytes)
     _copy_blocks_kernel[(num_programs,)](
         layout.tile_table,
         layout.group_table,

@@ -20,6 +20,7 @@ from triton_offload.kernels.copy_blocks import (
     PlaneGeometry,
     copy_blocks,
     default_num_programs,
+    grid_size,
     launch_copy,
 )
 
@@ -418,6 +419,32 @@ def test_empty_job_launches_nothing() -> None:
 
 def test_default_grid_on_cpu_is_small() -> None:
     assert default_num_programs("cpu") == 4
+    assert default_num_programs("cpu", 100) == 4
+
+
+def test_grid_keeps_enough_bytes_in_flight() -> None:
+    # 256 KiB in flight: 32 programs of full 8 KiB tiles, 128 of 2 KiB, capped by the SMs.
+    assert grid_size(132, TILE_BYTES) == 32
+    assert grid_size(132, 2048) == 128
+    assert grid_size(132, 1000) == 132
+    assert grid_size(16, TILE_BYTES) == 16
+    assert grid_size(132, 10 * TILE_BYTES) == 32  # an item is never more than one tile
+
+
+def test_layout_tiles_and_mean_item_size() -> None:
+    case = simple_case(
+        [(0, 4096), (0, 4096), (1, 1536), (1, 65536), (2, 520)], num_groups=3, num_blocks=2
+    )
+    layout = case.layout
+    # Tiles: 1 + 1 for group 0, 1 + 8 for group 1, 1 for group 2.
+    assert layout.group_table.tolist() == [[2, 0], [9, 2], [1, 11]]
+    assert layout.tile_table.shape == (12, 5)
+    assert layout.mean_tile_bytes == (2 * 4096 + 1536 + 65536 + 520) // 12
+    # Tile rows of the SSM plane: offsets 0, 8 KiB, ... inside the page and the pool slot.
+    ssm = layout.tile_table[3:11]
+    assert (ssm[:, 0] - ssm[0, 0]).tolist() == [k * TILE_BYTES for k in range(8)]
+    assert (ssm[:, 2] - ssm[0, 2]).tolist() == [k * TILE_BYTES for k in range(8)]
+    assert set(ssm[:, 4].tolist()) == {TILE_BYTES}
 
 
 def test_byte_plane_of_a_strided_tensor() -> None:
