@@ -11,7 +11,6 @@ import importlib
 import platform
 import sys
 from collections.abc import Sequence
-from types import ModuleType
 
 # sub-command -> (module, one-line help)
 _COMMANDS: dict[str, tuple[str, str]] = {
@@ -19,16 +18,6 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "verify": ("triton_offload.verify.command", "cold vs offload-hit equality on a hybrid model"),
     "plan": ("triton_offload.plan_command", "print a model's offload plan as a table"),
 }
-
-
-def _load_command(module_name: str) -> ModuleType | None:
-    try:
-        return importlib.import_module(module_name)
-    except ModuleNotFoundError as error:
-        # Only a missing command module is tolerated; a broken dependency inside it is not.
-        if error.name is not None and module_name.startswith(error.name):
-            return None
-        raise
 
 
 def _run_info(_: argparse.Namespace) -> int:
@@ -66,9 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module_name, help_text) in _COMMANDS.items():
-        module = _load_command(module_name)
-        if module is None:
-            continue
+        # Imported eagerly: a command missing from an install is a packaging bug and
+        # must fail loudly, not vanish from --help.
+        module = importlib.import_module(module_name)
         sub = subparsers.add_parser(name, help=help_text, description=help_text)
         module.configure_parser(sub)
         sub.set_defaults(handler=module.run)
