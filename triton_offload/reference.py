@@ -64,7 +64,7 @@ def reference_copy(
     direction = Direction(direction)
     if len(plane_views) != len(layout.planes):
         raise ValueError(f"{len(plane_views)} plane views for {len(layout.planes)} planes")
-    for index, (view, plane) in enumerate(zip(plane_views, layout.planes)):
+    for index, (view, plane) in enumerate(zip(plane_views, layout.planes, strict=True)):
         if view.dtype != torch.uint8 or tuple(view.shape) != (plane.num_blocks, plane.page_bytes):
             raise ValueError(
                 f"plane view {index} is {view.dtype} {tuple(view.shape)}, expected uint8 "
