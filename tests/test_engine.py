@@ -9,6 +9,7 @@ is byte-exact: source unchanged, addressed destination equal, the rest untouched
 from __future__ import annotations
 
 import os
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -370,3 +371,120 @@ def test_dma_copies_address_the_same_bytes_as_the_cpu_path(blocks_per_chunk: int
                 assert copies < pages  # the adjacent K/V pages of job 1 were merged
             assert len(api.calls) == copies
     assert all(torch.equal(a, b) for a, b in zip(*states, strict=True))
+
+
+class _FakeStream:
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log, self.cuda_stream = name, log, id(self)
+
+    def wait_event(self, event: _FakeEvent) -> None:
+        self.log.append(("wait", self.name, event))
+
+    def synchronize(self) -> None:
+        self.log.append(("sync", self.name))
+
+
+class _FakeEvent:
+    """A CUDA event stand-in: complete once ``done`` is set."""
+
+    log: ClassVar[list] = []
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.done = False
+        self.stream: _FakeStream | None = None
+
+    def record(self, stream: _FakeStream) -> None:
+        self.stream = stream
+        self.log.append(("record", stream.name, self))
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True
+
+    def elapsed_time(self, end: _FakeEvent) -> float:
+        return 2.0  # milliseconds
+
+
+def test_cuda_job_flow_with_stand_in_streams(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA submit path without a GPU: event order, FIFO polling, staging reuse.
+
+    Streams and events are stand-ins, the kernel runs under the interpreter (or the CPU
+    path is patched in) on host memory; what is checked is the order of operations.
+    """
+    import contextlib
+
+    from triton_offload import engine as engine_module
+
+    caches, _ = hybrid_caches()
+    engine = make_engine(caches, 1, "torch")
+    log: ClassVar[list] = []
+    _FakeEvent.log = log
+    compute = _FakeStream("compute", log)
+    engine.cuda = True
+    engine._streams = {0: _FakeStream("store", log), 1: _FakeStream("load", log)}
+    engine.backend = "triton"
+    launches: list = []
+
+    def launch(pairs: torch.Tensor, offsets: torch.Tensor, job: Any) -> None:
+        log.append(("launch", job.job_id))
+        launches.append((pairs.clone(), offsets.clone()))
+        engine_module.cpu_copy.copy_pages(
+            engine.layout,
+            engine.pool_address,
+            engine.row_bytes,
+            pairs.numpy(),
+            offsets.numpy(),
+            job.direction,
+        )
+
+    monkeypatch.setattr(engine, "_launch_triton", launch)
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
+    monkeypatch.setattr(
+        engine_module, "_pinned_int64", lambda n: torch.empty(max(n, 1024), dtype=torch.int64)
+    )
+
+    gpu, host, first = store_job(1)
+    assert engine.submit_store("a", gpu, host, first)
+    # compute-stream event, store stream waits on it, then start, launch, end.
+    kinds = [(entry[0], entry[1]) for entry in log]
+    assert kinds == [
+        ("record", "compute"),
+        ("wait", "store"),
+        ("record", "store"),
+        ("launch", "a"),
+        ("record", "store"),
+    ]
+    assert log[1][2] is log[0][2]
+    pairs, offsets = launches[0]
+    assert torch.equal(pairs, torch.from_numpy(engine.last_job_table[0]))
+    assert torch.equal(offsets, torch.from_numpy(engine.last_job_table[1]))
+    end_a = log[-1][2]
+
+    engine.submit_store("b", [[0], [], []], [[4], [], []])
+    end_b = log[-1][2]
+    engine.submit_load("c", [[4], [], []], [[1], [], []])
+    end_c = log[-1][2]
+    # Job a's staging buffer is still in use: b got a second buffer.
+    assert len(engine._staging.buffers) == 3
+    assert engine.get_finished() == []
+    end_b.done = True  # b finished before a: FIFO holds it back
+    assert engine.get_finished() == []
+    end_c.done = True  # another direction: reported on its own
+    assert [r.job_id for r in engine.get_finished()] == ["c"]
+    end_a.done = True
+    results = engine.get_finished()
+    assert [(r.job_id, r.success, r.transfer_time) for r in results] == [
+        ("a", True, 0.002),
+        ("b", True, 0.002),
+    ]
+    assert results[0].transfer_size == job_bytes(caches, gpu)
+    # All buffers are free again: the next job reuses one.
+    engine.submit_store("d", [[0], [], []], [[4], [], []])
+    assert len(engine._staging.buffers) == 3
+    engine.wait(["d"])
+    assert [r.job_id for r in engine.get_finished()] == ["d"]
