@@ -16,6 +16,8 @@ Fancy indexing with both sides indexed gathers into a temporary and scatters aga
 (two passes over the bytes); ``torch.index_copy_`` is slower still. A loop of
 ``ctypes.memmove`` over addresses computed by numpy makes one pass, costs ~0.5 us
 per page, and is the only option that reaches half of a large copy at 16 KiB.
+Driving it with ``map`` instead of a ``for`` loop trims the per-page interpreter work
+further (64 KiB pages: 0.64 -> 0.87 of the large copy in one run).
 Contiguous runs (adjacent pages on both sides) are merged into one ``memmove``.
 
 All addresses are computed with numpy from the static plane geometry and the pair
@@ -24,7 +26,9 @@ table; the caller must have validated the pairs (the copies here trust them).
 
 from __future__ import annotations
 
+import collections
 import ctypes
+import itertools
 
 import numpy as np
 
@@ -86,15 +90,13 @@ def copy_pages(
             pool = row_starts + plane.pool_offset + slots * page
             cache_starts, pool_starts, lengths = page_runs(cache, pool, page)
             sources, targets = (cache_starts, pool_starts) if store else (pool_starts, cache_starts)
-            if lengths.size == cache.size:
-                # No merged runs: every copy is one page long.
-                for target, source in zip(targets.tolist(), sources.tolist(), strict=True):
-                    _memmove(target, source, page)
-            else:
-                for target, source, length in zip(
-                    targets.tolist(), sources.tolist(), lengths.tolist(), strict=True
-                ):
-                    _memmove(target, source, length)
+            # map() over the C function keeps the per-page cost to the call itself.
+            sizes = (
+                itertools.repeat(page, lengths.size)
+                if lengths.size == cache.size  # no merged runs: every copy is one page
+                else lengths.tolist()
+            )
+            collections.deque(map(_memmove, targets.tolist(), sources.tolist(), sizes), maxlen=0)
             moved += page * (hi - lo)
     return moved
 
