@@ -303,10 +303,11 @@ def sweep_cases(
 
 
 def scale_case(case: Case, target_bytes: int) -> Case:
-    """Scale ``case`` down to about ``target_bytes`` per job, keeping its page shapes.
+    """Scale ``case`` down to at most ``target_bytes`` per job, keeping its page shapes.
 
-    Layer counts shrink first (never below 1 per group); if one layer per group is still
-    too big, the blocks per job shrink too (never below 1). A case already under the
+    Layer counts shrink first (never below 1 per group); if that is not enough, the
+    blocks per job of the biggest groups shrink too (never below 1). One layer and one
+    block of every group is the floor, even above the target. A case already under the
     target is returned unchanged.
     """
     if target_bytes < 1:
@@ -314,13 +315,16 @@ def scale_case(case: Case, target_bytes: int) -> Case:
     if case.job_bytes <= target_bytes:
         return case
     factor = target_bytes / case.job_bytes
-    groups = [replace(g, layers=max(1, round(g.layers * factor))) for g in case.groups]
-    total = sum(g.job_bytes for g in groups)
-    if total > target_bytes:
-        factor = target_bytes / total
-        groups = [
-            replace(g, blocks_per_job=max(1, math.floor(g.blocks_per_job * factor))) for g in groups
-        ]
+    groups = [replace(g, layers=max(1, math.floor(g.layers * factor))) for g in case.groups]
+    excess = sum(g.job_bytes for g in groups) - target_bytes
+    for index in sorted(range(len(groups)), key=lambda i: -groups[i].job_bytes):
+        if excess <= 0:
+            break
+        group = groups[index]
+        per_block = group.layers * group.layer_bytes_per_block
+        drop = min(group.blocks_per_job - 1, math.ceil(excess / per_block))
+        groups[index] = replace(group, blocks_per_job=group.blocks_per_job - drop)
+        excess -= drop * per_block
     return replace(case, groups=tuple(groups))
 
 

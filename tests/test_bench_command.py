@@ -1,0 +1,96 @@
+"""`triton-offload bench`: argument refusal with a clear message, and a --quick run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from triton_offload.bench import command, paths, presets
+
+from triton_offload.cli import build_parser, main
+
+
+def test_cli_names_match_the_harness() -> None:
+    assert list(command.PRESET_NAMES) == list(presets.PRESETS)
+    assert list(command.PATH_NAMES) == [p for p in paths.ALL_PATHS if p != paths.CEILING]
+    assert tuple(command.DIRECTION_NAMES) == paths.DIRECTIONS
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--presets", "llama-70b"], "unknown preset 'llama-70b'"),
+        (["--presets", "deepseek-mla,nope"], "unknown preset 'nope'"),
+        (["--paths", "cuda-graph"], "unknown path 'cuda-graph'"),
+        (["--directions", "sideways"], "unknown direction 'sideways'"),
+        (["--repeats", "0"], "repeats 0 must be >= 1"),
+        (["--repeats", "many"], "repeats 'many' is not an integer"),
+        (["--warmup", "-1"], "warm-up count -1 must be >= 0"),
+        (["--page-sizes", "4x"], "page size '4x' is not a size"),
+        (["--pages", "0"], "pages per job 0 must be >= 1"),
+        (["--presets", ","], "empty preset list"),
+    ],
+)
+def test_bad_arguments_exit_2_naming_the_value(
+    argv: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["bench", *argv])
+    assert exit_info.value.code == 2
+    assert named in capsys.readouterr().err
+
+
+def test_defaults() -> None:
+    args = build_parser().parse_args(["bench"])
+    assert args.out == Path("bench-results")
+    assert args.presets == list(presets.PRESETS)
+    assert args.directions == ["store", "load"]
+    assert not args.quick and not args.sweep
+    args = build_parser().parse_args(["bench", "--paths", "all", "--page-sizes", "4k,2m"])
+    assert args.paths == list(command.PATH_NAMES)
+    assert args.page_sizes == [4096, 2 << 20]
+
+
+def test_quick_run_writes_table_json_report_and_plot(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "bench"
+    code = main(
+        [
+            "bench",
+            "--quick",
+            "--no-progress",
+            "--out",
+            str(out),
+            "--presets",
+            "llama3.1-8b-tp4,mamba-hybrid",
+            "--sweep",
+            "--page-sizes",
+            "4k",
+            "--pages",
+            "16",
+        ]
+    )
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert "per-page-copy" in printed and "Summary" in printed
+    for name in ("results.json", "report.md", "bandwidth.png"):
+        assert (out / name).stat().st_size > 0
+    payload = json.loads((out / "results.json").read_text())
+    env = payload["environment"]
+    for key in ("gpu", "driver", "torch", "triton"):
+        assert key in env
+    cases = {m["case"] for m in payload["measurements"]}
+    assert cases == {"llama3.1-8b-tp4", "mamba-hybrid", "sweep-4KiBx16"}
+    assert all(m["status"] != "FAILED" for m in payload["measurements"])
+    timed = [m for m in payload["measurements"] if m["status"] == "ok"]
+    assert {m["path"] for m in timed} >= {"torch", "ceiling", "per-page-copy"}
+    if not env["cuda_available"]:
+        # interpreted Triton paths: correctness only, never a GB/s figure
+        assert not any(m["path"] in ("triton", "flat-triton") for m in timed)
+        checks = {(c["path"], c["status"]) for c in payload["correctness"]}
+        assert checks == {("triton", "verified"), ("flat-triton", "verified")}
+    report = (out / "report.md").read_text()
+    assert "llama3.1-8b-tp4 store: fastest path" in report
+    assert "the best baseline" in report and "of the ceiling" in report

@@ -1,0 +1,146 @@
+"""Bench arithmetic, verdicts and report writing (results.json, report.md, the plot)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from triton_offload.bench import report
+from triton_offload.bench.harness import HostCost, Measurement, Results, gbps, percent_of
+
+
+def test_gbps_is_decimal_gigabytes_per_second() -> None:
+    assert gbps(1_000_000_000, 1.0) == 1.0
+    assert gbps(256 * 1024 * 1024, 0.01) == pytest.approx(26.8435456)
+    assert gbps(32768 * 8192, 0.5) == pytest.approx(0.536870912)
+
+
+def test_gbps_and_percent_reject_non_positive_denominators() -> None:
+    with pytest.raises(ValueError, match="seconds 0"):
+        gbps(1, 0.0)
+    with pytest.raises(ValueError, match="ceiling -1"):
+        percent_of(1.0, -1.0)
+    assert percent_of(12.5, 50.0) == 25.0
+
+
+def _m(
+    path: str, role: str, value: float | None, direction: str = "store", **kw: object
+) -> Measurement:
+    status = kw.pop("status", "ok" if value is not None else "FAILED")
+    return Measurement(
+        case="llama3.1-8b-tp4",
+        path=path,
+        role=role,
+        direction=direction,
+        status=str(status),
+        job_bytes=64 << 20,
+        job_pages=8192,
+        page_bytes=8192,
+        page_sizes=[8192],
+        device_s=None if value is None else (64 << 20) / value / 1e9,
+        host_s=None if value is None else 1e-4,
+        gbps=value,
+        pct_ceiling=None if value is None else 100 * value / 50.0,
+        launches=1,
+        repeats=5,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def _results() -> Results:
+    rows = [
+        _m("ceiling", "ceiling", 50.0),
+        _m("triton", "project", 40.0),
+        _m("dma", "project", 10.0),
+        _m("per-page-copy", "baseline", 5.0),
+        _m("flat-triton", "baseline", 20.0),
+        _m("batched-dma", "baseline", None, note="not byte-exact: store wrote pool row 3"),
+        _m("ceiling", "ceiling", 48.0, direction="load"),
+        _m("triton", "project", 12.0, direction="load"),
+        _m("flat-triton", "baseline", 24.0, direction="load"),
+    ]
+    return Results(
+        environment={
+            "gpu": "NVIDIA H200",
+            "driver": "575.51",
+            "torch": "2.11.0",
+            "triton": "3.6.0",
+            "cuda_runtime": "12.8",
+            "cuda_available": True,
+            "vllm": None,
+        },
+        config={"directions": ["store", "load"], "repeats": 5, "warmup": 1},
+        measurements=rows,
+        host_costs=[HostCost("llama3.1-8b-tp4", 128, 64, 8192, 1e-4, 4e-4, "numpy re-creation")],
+        correctness=[],
+        notes=["a note"],
+        wall_s=1.5,
+    )
+
+
+def test_verdict_names_winner_and_ratios_from_same_case() -> None:
+    store, load = report.verdicts(_results().measurements)
+    assert store.winner is not None and store.winner.path == "triton"
+    assert store.best_baseline is not None and store.best_baseline.path == "flat-triton"
+    assert store.project_vs_baseline == pytest.approx(2.0)
+    text = store.sentence()
+    assert "**triton**" in text and "2.00x the best baseline flat-triton" in text
+    assert "80% of the ceiling (50.00 GB/s)" in text
+    # a baseline may win: the ratio is then below 1
+    assert load.winner is not None and load.winner.path == "flat-triton"
+    assert load.project_vs_baseline == pytest.approx(0.5)
+
+
+def test_failed_paths_never_win() -> None:
+    rows = [_m("batched-dma", "baseline", None), _m("triton", "project", 1.0)]
+    (verdict,) = report.verdicts(rows)
+    assert verdict.best_baseline is None and verdict.winner is not None
+    assert verdict.winner.path == "triton"
+
+
+def test_write_all_writes_json_markdown_and_png(tmp_path: Path) -> None:
+    results = _results()
+    written = report.write_all(results, tmp_path / "out")
+    payload = json.loads(written["json"].read_text())
+    env = payload["environment"]
+    assert {env["gpu"], env["driver"], env["torch"], env["triton"]} == {
+        "NVIDIA H200",
+        "575.51",
+        "2.11.0",
+        "3.6.0",
+    }
+    assert len(payload["measurements"]) == 9
+    failed = [m for m in payload["measurements"] if m["status"] == "FAILED"]
+    assert failed and failed[0]["gbps"] is None and failed[0]["device_s"] is None
+    summary = payload["summary"][0]
+    assert summary["winner"] == "triton" and summary["best_baseline"] == "flat-triton"
+    assert summary["project_vs_best_baseline"] == pytest.approx(2.0)
+    assert summary["ceiling_gbps"] == 50.0
+    assert payload["host_costs"][0]["ratio"] == pytest.approx(4.0)
+
+    markdown = written["markdown"].read_text()
+    assert "fastest path **triton**" in markdown
+    assert "2.00x the best baseline flat-triton" in markdown
+    assert "NVIDIA H200" in markdown and "driver: 575.51" in markdown
+    assert "](bandwidth.png)" in markdown
+    assert "not byte-exact" in markdown
+
+    png = written["plot"].read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_terminal_report_has_table_summary_and_host_cost() -> None:
+    text = report.terminal_report(_results())
+    assert "flat-triton" in text and "GB/s" in text
+    assert "fastest path triton" in text
+    assert "4.0x" in text  # host cost ratio
+    assert "a note" in text
+
+
+def test_text_table_aligns_columns() -> None:
+    table = report.text_table(["a", "bb"], [["xxx", "y"], ["z", "wwww"]])
+    lines = table.splitlines()
+    assert lines[0] == "a    bb"
+    assert lines[2] == "xxx  y"
+    assert lines[3] == "z    wwww"
