@@ -33,6 +33,7 @@ import logging
 import math
 import os
 import time
+import weakref
 from collections import deque
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -342,6 +343,12 @@ def calibrate(engine: TransferEngine) -> Crossover:
     return Crossover(grid=grid)
 
 
+def _release(streams: list[Any], pool: HostPool) -> None:
+    for stream in streams:
+        stream.synchronize()
+    pool.close()
+
+
 class TransferEngine:
     """Stores and loads cache blocks; see the module docstring for the job semantics.
 
@@ -474,6 +481,9 @@ class TransferEngine:
             if backend == "auto":
                 with torch.cuda.device(self.device):
                     self.crossover = self._resolve_crossover(crossover)
+        # An engine dropped without shutdown() still drains its streams before the
+        # pool's pages are unlocked.
+        self._finalizer = weakref.finalize(self, _release, list(self._streams.values()), self._pool)
 
     # ------------------------------------------------------------------ set-up
 
@@ -736,9 +746,7 @@ class TransferEngine:
         if self._closed:
             return
         self._closed = True
-        for stream in self._streams.values():
-            stream.synchronize()
-        self._pool.close()
+        self._finalizer()
 
     def __enter__(self) -> TransferEngine:
         return self
