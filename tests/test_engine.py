@@ -14,6 +14,8 @@ from typing import Any, ClassVar
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from triton_offload import GroupSpec, ParallelSpec, plan_offload
 from triton_offload.engine import TransferEngine, TransferResult
@@ -488,3 +490,65 @@ def test_cuda_job_flow_with_stand_in_streams(monkeypatch: pytest.MonkeyPatch) ->
     assert len(engine._staging.buffers) == 3
     engine.wait(["d"])
     assert [r.job_id for r in engine.get_finished()] == ["d"]
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), blocks_per_chunk=st.integers(1, 4))
+def test_random_jobs_match_the_reference(data: st.DataObject, blocks_per_chunk: int) -> None:
+    """Random stores then loads on the torch path, against the plain torch reference."""
+    from triton_offload.kernels.copy_blocks import Direction
+
+    from triton_offload.reference import reference_copy
+
+    caches, storages = hybrid_caches(seed=data.draw(st.integers(0, 3)))
+    engine = make_engine(caches, blocks_per_chunk, "torch")
+    engine.pool.copy_(torch.randint(0, 256, engine.pool.shape, dtype=torch.uint8))
+    rows = data.draw(st.permutations(range(NUM_HOST_BLOCKS)))
+    gpu, host, first = [], [], []
+    for _ in range(engine.num_groups):
+        start = data.draw(st.integers(0, 7))
+        count = data.draw(st.integers(0, 5))
+        chunks = -(-(start % blocks_per_chunk + count) // blocks_per_chunk) if count else 0
+        if chunks > len(rows):
+            count, chunks = 0, 0
+        gpu.append(data.draw(st.permutations(range(NUM_BLOCKS)))[:count])
+        host.append([rows.pop() for _ in range(chunks)])
+        first.append(start)
+    expected_pairs = [
+        [
+            block,
+            host[g][(first[g] % blocks_per_chunk + k) // blocks_per_chunk],
+            (first[g] % blocks_per_chunk + k) % blocks_per_chunk,
+        ]
+        for g in range(engine.num_groups)
+        for k, block in enumerate(gpu[g])
+    ]
+    views = [plane.view for plane in engine.layout.planes]
+    for direction in (Direction.TO_POOL, Direction.FROM_POOL):
+        pool = engine.pool.clone()
+        before = snapshot(storages)
+        if direction == Direction.TO_POOL:
+            engine.submit_store(0, gpu, host, first)
+        else:
+            engine.submit_load(0, host, gpu, first)
+        assert engine.get_finished()[0].success
+        pairs, offsets = engine.last_job_table
+        assert pairs.tolist() == expected_pairs
+        got = [engine.pool.clone(), *snapshot(storages)]
+        # Replay on the snapshots with the reference.
+        engine.pool.copy_(pool)
+        for storage, old in zip(storages, before, strict=True):
+            raw_bytes(storage).copy_(old)
+        reference_copy(
+            views,
+            engine.copy_layout,
+            torch.from_numpy(pairs),
+            torch.from_numpy(offsets),
+            engine.pool,
+            direction,
+        )
+        want = [engine.pool.clone(), *snapshot(storages)]
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        for group in range(engine.num_groups):  # poison before the load
+            for index in engine.layout.group_planes[group]:
+                engine.layout.planes[index].view[gpu[group]] = 0x5A
