@@ -511,7 +511,11 @@ def test_random_jobs_match_the_reference(data: st.DataObject, blocks_per_chunk: 
         chunks = -(-(start % blocks_per_chunk + count) // blocks_per_chunk) if count else 0
         if chunks > len(rows):
             count, chunks = 0, 0
-        gpu.append(data.draw(st.permutations(range(NUM_BLOCKS)))[:count])
+        if data.draw(st.booleans()):  # adjacent blocks: merged runs on the CPU path
+            low = data.draw(st.integers(0, NUM_BLOCKS - count))
+            gpu.append(list(range(low, low + count)))
+        else:
+            gpu.append(data.draw(st.permutations(range(NUM_BLOCKS)))[:count])
         host.append([rows.pop() for _ in range(chunks)])
         first.append(start)
     expected_pairs = [
