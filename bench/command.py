@@ -135,7 +135,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "--repeats",
         type=_positive("repeats"),
         default=None,
-        help="timed jobs per figure, median reported (default 10 on CUDA, 5 on CPU, 3 quick)",
+        help="timed jobs per figure, median reported (default 7 on CUDA, 5 on CPU, 3 quick)",
     )
     parser.add_argument(
         "--warmup", type=_non_negative, default=None, help="untimed jobs first (default 1-2)"
@@ -169,9 +169,9 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device("cuda") if cuda else torch.device("cpu")
     if cuda:
         target = presets.QUICK_TARGET_BYTES * 8 if args.quick else None
-        repeats = 3 if args.quick else 10
+        repeats = 3 if args.quick else 7
         warmup = 1 if args.quick else 2
-        sweep_max = 512 * presets.MiB
+        sweep_max = 256 * presets.MiB
     else:
         target = presets.QUICK_TARGET_BYTES if args.quick else presets.CPU_TARGET_BYTES
         repeats = 3 if args.quick else 5
@@ -202,14 +202,11 @@ def run(args: argparse.Namespace) -> int:
     written = report.write_all(results, args.out)
     print("\nwrote " + ", ".join(str(p) for p in written.values()))
     failed = [m for m in (*results.measurements, *results.correctness) if m.status == "FAILED"]
-    if failed:
-        print(
-            f"{len(failed)} path(s) FAILED verification: "
-            + ", ".join(sorted({f"{m.path} on {m.case}" for m in failed})),
-            file=sys.stderr,
-        )
-        return 1
-    return 0
+    for m in failed:
+        print(f"FAILED: {m.path} on {m.case} {m.direction}: {m.note}", file=sys.stderr)
+    # A project path that is not byte-exact fails the run; a failing baseline is
+    # reported but does not (its optional API may differ on this machine).
+    return 1 if any(m.role == "project" for m in failed) else 0
 
 
 __all__ = ["DEFAULT_OUT", "configure_parser", "run"]

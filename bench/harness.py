@@ -382,6 +382,9 @@ def _run_path(name: str, ws: Workspace, config: Config, base: dict[str, Any]) ->
         runner = make_path(name, ws)
     except PathUnavailable as why:
         return rows("unavailable", str(why))
+    except Exception as error:  # a baseline's optional API may not be what it expects
+        message = f"could not set up: {type(error).__name__}: {error}"
+        return rows("FAILED" if role == "project" else "unavailable", message)
     if name == "auto" and ws.device.type != "cuda":
         note = "auto picks the CPU path without CUDA"
     else:
