@@ -9,6 +9,7 @@ is byte-exact: source unchanged, addressed destination equal, the rest untouched
 from __future__ import annotations
 
 import os
+import time
 from typing import Any, ClassVar
 
 import numpy as np
@@ -556,3 +557,51 @@ def test_random_jobs_match_the_reference(data: st.DataObject, blocks_per_chunk: 
         for group in range(engine.num_groups):  # poison before the load
             for index in engine.layout.group_planes[group]:
                 engine.layout.planes[index].view[gpu[group]] = 0x5A
+
+
+class _TimedEvent(_FakeEvent):
+    """A stand-in event that remembers the host time of its record."""
+
+    def record(self, stream: _FakeStream) -> None:
+        super().record(stream)
+        self.done = True
+        self.at = time.perf_counter()
+
+    def elapsed_time(self, end: _FakeEvent) -> float:
+        return (end.at - self.at) * 1e3
+
+
+def test_calibration_flow_with_stand_ins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """calibrate() without a GPU: host buffers, host copies and the interpreted kernel.
+
+    Only the structure is checked (every grid point of both directions gets a winner
+    and the scratch copies move the right bytes); the timings are the CPU's.
+    """
+    if not INTERPRETED:
+        pytest.skip("CPU tensors need TRITON_INTERPRET=1 for the kernel")
+    import contextlib
+
+    from triton_offload import engine as engine_module
+
+    caches, _ = hybrid_caches()
+    engine = make_engine(caches, 1, "torch")
+    log: list = []
+    _FakeEvent.log = log
+    engine._streams = {0: _FakeStream("store", log), 1: _FakeStream("load", log)}
+    api = _HostCopies()
+    monkeypatch.setattr(engine_module, "CALIBRATION_PAGES", (2, 5))
+    monkeypatch.setattr(engine_module, "cuda_api", lambda: api)
+    monkeypatch.setattr(engine_module, "device_address_of_pinned", lambda t: t.data_ptr())
+    monkeypatch.setattr(engine_module, "_pinned_bytes", lambda n: torch.zeros(n, dtype=torch.uint8))
+    monkeypatch.setattr(torch.cuda, "Event", _TimedEvent)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    crossover = engine_module.calibrate(engine)
+    page_sizes = sorted({p.page_bytes for p in engine.layout.planes})
+    assert len(page_sizes) == 4  # 30, 64, 128 and 528 bytes
+    for direction in (0, 1):
+        points = crossover.grid[direction]
+        assert set(points) == {(page, n) for page in page_sizes for n in (2, 5)}
+        assert set(points.values()) <= {"dma", "triton"}
+    assert {call[2] for call in api.calls} == set(page_sizes)  # one copy per page
+    assert crossover.choose(0, 40.0, 2) == crossover.grid[0][(30, 2)]
+    assert crossover.choose(1, 10_000.0, 100) == crossover.grid[1][(528, 5)]

@@ -132,6 +132,10 @@ class _StagingRing:
         self.events[index] = event
 
 
+def _pinned_bytes(numel: int) -> torch.Tensor:
+    return torch.zeros(numel, dtype=torch.uint8, pin_memory=True)
+
+
 def _pinned_int64(numel: int) -> torch.Tensor:
     capacity = 1 << max(10, math.ceil(math.log2(max(numel, 1))))
     return torch.empty(capacity, dtype=torch.int64, pin_memory=True)
@@ -285,7 +289,7 @@ def calibrate(engine: TransferEngine) -> Crossover:
         for wanted in CALIBRATION_PAGES:
             pages = max(1, min(wanted, CALIBRATION_MAX_BYTES // page))
             scratch = torch.zeros(pages * page, dtype=torch.uint8, device=device)
-            host = torch.zeros(pages * page, dtype=torch.uint8, pin_memory=True)
+            host = _pinned_bytes(pages * page)
             host_address = device_address_of_pinned(host)
             geometry = kernels.PlaneGeometry(
                 group=0,
