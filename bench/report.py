@@ -346,9 +346,15 @@ def _curve(rows: Sequence[Measurement]) -> list[tuple[int, float]]:
 
 
 def write_all(results: Results, out_dir: Path) -> dict[str, Path]:
-    """Write results.json, report.md and the plot into ``out_dir``; returns their paths."""
+    """Write the plot, results.json and report.md into ``out_dir``; returns their paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    json_path = out_dir / RESULTS_JSON
+    written: dict[str, Path] = {}
+    plot_path = out_dir / PLOT_PNG
+    try:
+        plot(results, plot_path)
+        written["plot"] = plot_path
+    except ImportError:  # matplotlib comes with the [bench] extra; the numbers do not need it
+        results.notes.append("plot skipped: matplotlib is not installed (pip install '.[bench]')")
     payload = results.to_json()
     payload["summary"] = [
         {
@@ -364,12 +370,12 @@ def write_all(results: Results, out_dir: Path) -> dict[str, Path]:
         }
         for v in verdicts(results.measurements)
     ]
-    json_path.write_text(json.dumps(payload, indent=2) + "\n")
-    plot_path = out_dir / PLOT_PNG
-    plot(results, plot_path)
-    md_path = out_dir / REPORT_MD
-    md_path.write_text(markdown_report(results, plot_path.name))
-    return {"json": json_path, "markdown": md_path, "plot": plot_path}
+    written["json"] = out_dir / RESULTS_JSON
+    written["json"].write_text(json.dumps(payload, indent=2) + "\n")
+    written["markdown"] = out_dir / REPORT_MD
+    plot_name = PLOT_PNG if "plot" in written else None
+    written["markdown"].write_text(markdown_report(results, plot_name))
+    return written
 
 
 __all__ = [

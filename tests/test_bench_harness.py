@@ -4,6 +4,7 @@ turns times into GB/s and % of the same run's ceiling."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from triton_offload.bench import harness, paths, presets
@@ -205,3 +206,23 @@ def test_progress_bar_reaches_total() -> None:
         bar.step(label)
     text = out.getvalue()
     assert "3/3" in text and bar.done == 3
+
+
+def test_numpy_pointer_build_matches_vllm_when_importable() -> None:
+    builder, impl = harness.vllm_pointer_builder()
+    if builder is None:
+        pytest.skip(f"vllm not importable here ({impl} is used)")
+    view = torch.empty((50, 2048), dtype=torch.uint8)[:, :1000]  # strided rows
+    ids = np.array([7, 0, 49, 3], dtype=np.int64)
+    ours = np.empty(4, dtype=np.uint64)
+    theirs = np.empty(4, dtype=np.uint64)
+    harness._numpy_sub_block_ptrs(ids, 1, ours, view)
+    builder(ids, 1, theirs, view)
+    assert ours.tolist() == theirs.tolist()
+    assert ours.tolist() == [view.data_ptr() + i * 2048 for i in ids.tolist()]
+
+
+def test_host_cost_without_vllm_is_labelled(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(harness, "vllm_pointer_builder", lambda: (None, "numpy re-creation"))
+    cost = harness.host_cost(presets.PRESETS["llama3.1-8b-tp4"], repeats=1)
+    assert cost.pointer_impl == "numpy re-creation" and cost.pointer_s > 0

@@ -144,3 +144,19 @@ def test_text_table_aligns_columns() -> None:
     assert lines[0] == "a    bb"
     assert lines[2] == "xxx  y"
     assert lines[3] == "z    wwww"
+
+
+def test_missing_matplotlib_skips_only_the_plot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_matplotlib(*_: object) -> None:
+        raise ImportError("No module named 'matplotlib'")
+
+    monkeypatch.setattr(report, "plot", no_matplotlib)
+    written = report.write_all(_results(), tmp_path)
+    assert set(written) == {"json", "markdown"}
+    markdown = written["markdown"].read_text()
+    assert "plot skipped: matplotlib is not installed" in markdown
+    assert "bandwidth.png" not in markdown
+    notes = json.loads(written["json"].read_text())["notes"]
+    assert any("plot skipped" in n for n in notes)
