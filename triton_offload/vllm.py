@@ -307,7 +307,10 @@ def _row_bytes_view(tensor: Any, name: str) -> Any:
             f"{name}.tensor has shape {tuple(tensor.shape)}; expected (num_blocks, ...)"
         )
     try:
-        return tensor.view(tensor.size(0), -1).view(torch.uint8)
+        rows = tensor.view(tensor.size(0), -1)
+        if rows.size(1) > 1 and rows.stride(1) != 1:
+            raise RuntimeError("per-block elements are strided")
+        return rows.view(torch.uint8)
     except RuntimeError as error:
         raise ValueError(
             f"{name}.tensor (shape {tuple(tensor.shape)}, strides {tensor.stride()}): the "
@@ -389,22 +392,23 @@ def _build_classes() -> dict[str, type]:
             self.num_groups: int = engine.num_groups
             self._in_flight: set[Any] = set()
 
-        def _job(self, job_id: int, gpu_spec: Any, host_spec: Any, what: str) -> tuple:
+        def _job(self, what: str, gpu: tuple[str, Any], host: tuple[str, Any]) -> tuple:
+            (gpu_name, gpu_spec), (host_name, host_spec) = gpu, host
             if not isinstance(gpu_spec, api.GPULoadStoreSpec):
                 raise TypeError(
-                    f"{what}: the GPU side must be vLLM's GPULoadStoreSpec, got "
+                    f"{what}: {gpu_name} must be vLLM's GPULoadStoreSpec, got "
                     f"{type(gpu_spec).__name__}"
                 )
             if not isinstance(host_spec, api.CPULoadStoreSpec):
                 raise TypeError(
-                    f"{what}: the host side must be vLLM's CPULoadStoreSpec (from this spec's "
+                    f"{what}: {host_name} must be vLLM's CPULoadStoreSpec (from this spec's "
                     f"manager), got {type(host_spec).__name__}"
                 )
             return split_job(gpu_spec, host_spec, self.num_groups, self.blocks_per_chunk, what)
 
         def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
             what = f"submit_store(job {job_id!r})"
-            gpu, host, first = self._job(job_id, src_spec, dst_spec, what)
+            gpu, host, first = self._job(what, ("src_spec", src_spec), ("dst_spec", dst_spec))
             accepted = bool(self.engine.submit_store(job_id, gpu, host, first))
             if accepted:
                 self._in_flight.add(job_id)
@@ -414,7 +418,7 @@ def _build_classes() -> dict[str, type]:
             self, job_id: int, src_spec: Any, dst_spec: Any, expedited: bool = False
         ) -> bool:
             what = f"submit_load(job {job_id!r})"
-            gpu, host, first = self._job(job_id, dst_spec, src_spec, what)
+            gpu, host, first = self._job(what, ("dst_spec", dst_spec), ("src_spec", src_spec))
             accepted = bool(self.engine.submit_load(job_id, host, gpu, first))
             if accepted:
                 self._in_flight.add(job_id)
@@ -468,7 +472,7 @@ def _build_classes() -> dict[str, type]:
                     "kv_connector_extra_config['cpu_bytes_to_use'] must be a positive "
                     f"integer, got {extra.get('cpu_bytes_to_use')!r}"
                 )
-            if config.canonical_layout:
+            if config.canonical_layout or extra.get("canonical_layout"):
                 raise ValueError(
                     "kv_connector_extra_config['canonical_layout'] is not supported by "
                     f"{SPEC_NAME}: its host rows hold each worker's own pages"
