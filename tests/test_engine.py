@@ -595,6 +595,7 @@ def test_calibration_flow_with_stand_ins(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(engine_module, "_pinned_bytes", lambda n: torch.zeros(n, dtype=torch.uint8))
     monkeypatch.setattr(torch.cuda, "Event", _TimedEvent)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     crossover = engine_module.calibrate(engine)
     page_sizes = sorted({p.page_bytes for p in engine.layout.planes})
     assert len(page_sizes) == 4  # 30, 64, 128 and 528 bytes

@@ -313,6 +313,9 @@ def calibrate(engine: TransferEngine) -> Crossover:
             )
             pairs_device = pairs.to(device)
             offsets_device = torch.tensor([0, pages], dtype=torch.int64, device=device)
+            # The scratch fill and the table upload ran on the current stream; the
+            # measurements run on the transfer streams.
+            torch.cuda.synchronize(device)
             device_pages = (scratch.data_ptr() + torch.arange(pages) * page).tolist()
             host_pages = (host_address + rows * page).tolist()
             for direction in (TO_POOL, FROM_POOL):
@@ -485,6 +488,10 @@ class TransferEngine:
             if backend == "auto":
                 with torch.cuda.device(self.device):
                     self.crossover = self._resolve_crossover(crossover)
+        if self.cuda:
+            # The static tables were uploaded on the current stream; jobs run on the
+            # transfer streams and may be submitted from any stream.
+            torch.cuda.synchronize(self.device)
         # An engine dropped without shutdown() still drains its streams before the
         # pool's pages are unlocked.
         self._finalizer = weakref.finalize(self, _release, list(self._streams.values()), self._pool)
