@@ -279,7 +279,13 @@ def markdown_report(results: Results, plot_name: str | None) -> str:
 
 
 def plot(results: Results, path: Path) -> None:
-    """GB/s vs page size (log x) per path, one panel per direction, ceiling dashed."""
+    """GB/s vs page size (log x), one panel per direction.
+
+    Raw-sweep points are joined into one line per path (per page size, the largest
+    job); model presets are unjoined markers at the page size carrying most of their
+    bytes, labelled with the preset. The ceiling is black: dashed over the sweep, a bar
+    marker per preset.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -287,53 +293,84 @@ def plot(results: Results, path: Path) -> None:
 
     directions = list(results.config["directions"])
     fig, axes = plt.subplots(
-        1, len(directions), figsize=(7 * len(directions), 5), squeeze=False, sharey=True
+        1, len(directions), figsize=(7.5 * len(directions), 5.5), squeeze=False, sharey=True
     )
     device = results.environment.get("gpu") or "CPU only (host memory copies)"
-    fig.suptitle(f"triton-offload bench: GB/s vs page size -- {device}")
+    fig.suptitle(f"triton-offload bench: bandwidth vs page size, {device}")
+    names = list(dict.fromkeys(m.path for m in results.measurements if m.path != "ceiling"))
+    colors = {name: f"C{i % 10}" for i, name in enumerate(names)}
     for axis, direction in zip(axes[0], directions, strict=True):
         rows = [
             m
             for m in results.measurements
             if m.direction == direction and m.status == "ok" and m.gbps is not None
         ]
-        for name in dict.fromkeys(m.path for m in rows):
-            points = _curve([m for m in rows if m.path == name])
-            xs = [p[0] for p in points]
-            ys = [p[1] for p in points]
-            if name == "ceiling":
-                axis.plot(xs, ys, "k--", linewidth=2, label="ceiling (one contiguous copy)")
-            else:
-                axis.plot(xs, ys, marker="o", label=name)
-        for m in rows:
-            if m.path == "ceiling" and not m.sweep:
-                axis.annotate(
-                    m.case,
-                    (m.page_bytes, m.gbps or 0),
-                    fontsize=7,
-                    rotation=30,
-                    textcoords="offset points",
-                    xytext=(3, 3),
+        plotted: list[float] = []
+        for name in ["ceiling", *names]:
+            mine = [m for m in rows if m.path == name]
+            sweep = _curve([m for m in mine if m.sweep])
+            preset = [m for m in mine if not m.sweep]
+            plotted += [y for _, y in sweep] + [m.gbps or 0.0 for m in preset]
+            is_ceiling = name == "ceiling"
+            color = "black" if is_ceiling else colors[name]
+            label = "ceiling (one contiguous copy)" if is_ceiling else name
+            if sweep:
+                axis.plot(
+                    [x for x, _ in sweep],
+                    [y for _, y in sweep],
+                    linestyle="--" if is_ceiling else "-",
+                    marker=None if is_ceiling else "o",
+                    color=color,
+                    linewidth=2 if is_ceiling else 1.5,
+                    label=label,
                 )
+                label = "_nolegend_"
+            if preset:
+                axis.scatter(
+                    [m.page_bytes for m in preset],
+                    [m.gbps for m in preset],
+                    marker="_" if is_ceiling else "s",
+                    s=300 if is_ceiling else 30,
+                    color=color,
+                    label=label,
+                    zorder=3,
+                )
+            if is_ceiling:
+                for m in preset:
+                    axis.annotate(
+                        m.case,
+                        (m.page_bytes, m.gbps or 0.0),
+                        fontsize=7,
+                        textcoords="offset points",
+                        xytext=(4, 4),
+                    )
         axis.set_xscale("log", base=2)
+        sizes = sorted({m.page_bytes for m in rows})
+        if sizes:
+            axis.set_xlim(sizes[0] / 1.6, sizes[-1] * 3)
+        axis.set_xticks(sizes)
+        axis.set_xticklabels([size_label(t) for t in sizes], rotation=45, fontsize=8)
         axis.set_title(
             f"{direction} ({'device -> pool' if direction == 'store' else 'pool -> device'})"
         )
-        axis.set_xlabel("page size (bytes, log scale)")
-        axis.set_ylabel("bandwidth (GB/s, 1e9 bytes/s, median)")
-        ticks = sorted({m.page_bytes for m in rows})
-        axis.set_xticks(ticks)
-        axis.set_xticklabels([size_label(t) for t in ticks], rotation=45, fontsize=8)
+        axis.set_xlabel("page size (bytes, log scale); squares: model presets")
+        axis.set_ylabel("bandwidth (GB/s = 1e9 bytes/s, median)")
+        top = max(plotted, default=1.0)
+        axis.set_ylim(0, top * 1.2)  # headroom for the preset labels
         axis.grid(True, which="both", alpha=0.3)
-        if rows:
-            axis.legend(fontsize=8)
-    fig.tight_layout()
+    handles: dict[str, Any] = {}
+    for axis in axes[0]:
+        for handle, label in zip(*axis.get_legend_handles_labels(), strict=True):
+            handles.setdefault(label, handle)
+    if handles:
+        fig.legend(list(handles.values()), list(handles), loc="center right", fontsize=8)
+    fig.tight_layout(rect=(0, 0, 0.86, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
 def _curve(rows: Sequence[Measurement]) -> list[tuple[int, float]]:
-    """Per page size, the point of the largest job (sweep) or the preset's point."""
+    """Per page size, the point of the largest job."""
     by_size: dict[int, Measurement] = {}
     for m in rows:
         current = by_size.get(m.page_bytes)
