@@ -225,7 +225,8 @@ class PathRunner(Protocol):
     role: str
     #: stream the path enqueues on (CUDA), for device events; None for self-timed paths
     stream: Any
-    #: seconds of device time the path measured itself for the last job, if it does
+    #: True when ``finish()`` returns the job's device seconds measured by the path
+    #: itself (the engine's own CUDA events); the harness then records no events
     self_timed: bool
 
     def submit(self, direction: str) -> None: ...
