@@ -63,7 +63,7 @@ def drain(engine: TransferEngine, count: int) -> list:
     return results
 
 
-STORE = ([[3, 9, 4], [0, 15], [7]], [[2, 5], [11], [8]], [1, 1, 0])
+STORE = ([[3, 9, 4], [0, 15], [7]], [[2, 5], [11, 10], [8]], [1, 1, 0])
 LOAD_TARGETS = [[1, 2, 10], [6, 8], [12]]
 
 
