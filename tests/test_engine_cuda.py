@@ -52,7 +52,7 @@ def host_bytes(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     out = []
     for tensor in tensors:
         raw = torch.empty(0, dtype=torch.uint8, device=tensor.device)
-        out.append(raw.set_(tensor.untyped_storage()).cpu())
+        out.append(raw.set_(tensor.untyped_storage()).to("cpu", copy=True))
     return out
 
 
