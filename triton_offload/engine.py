@@ -23,6 +23,15 @@ on the caller's current stream at submit time: a store must not read KV before
 compute wrote it, a load must not overwrite blocks that attention may still read.
 Jobs complete in FIFO order per direction. Without CUDA jobs run synchronously at
 submit and ``get_finished`` reports them once, in submit order.
+
+Job ids: any hashable; an id is in flight from its submit until ``get_finished``
+reported it, and may be reused after that. ``wait`` blocks until jobs finished and
+leaves their results to ``get_finished``. ``submit_*`` returns True when the job was
+accepted (its result will be reported, with ``success=False`` if it failed while
+running) and False once ``shutdown()`` was called; bad input raises ValueError
+before anything is enqueued. The Triton backend also needs the Triton interpreter
+on CPU; the CPU path needs neither CUDA nor the interpreter, but imports the
+launcher module to validate pair tables the same way on every backend.
 """
 
 from __future__ import annotations
