@@ -20,9 +20,12 @@ chunk ids handed out are vLLM's own. Worker side: ``get_worker`` turns vLLM's
 :class:`~triton_offload.engine.TransferEngine`; the engine's host pool has one row
 per CPU chunk id, sized exactly as vLLM's CPU spec counts its chunks.
 
-Only this module imports vllm, and only when it is imported; the spec and worker
-classes are built on first access (the plugin's :func:`register` stays cheap and
-never fails the host process: it runs in every vLLM process at start-up).
+Only this module of the package touches vllm. Importing it only checks that vllm is
+installed (ImportError naming the ``vllm`` extra otherwise); vLLM's offloading modules
+are imported, and the spec and worker classes built, on first access to
+``TritonOffloadingSpec`` / ``TritonOffloadingWorker``. The plugin's :func:`register`
+stays cheap and never fails the host process: it runs in every vLLM process at
+start-up.
 """
 
 from __future__ import annotations
@@ -374,7 +377,7 @@ _classes: dict[str, type] | None = None
 def _build_classes() -> dict[str, type]:
     api = import_vllm_api()
 
-    class TritonOffloadingWorker(api.OffloadingWorker):  # type: ignore[misc, name-defined]
+    class TritonOffloadingWorker(api.OffloadingWorker):  # type: ignore[name-defined]
         """vLLM ``OffloadingWorker`` backed by a ``TransferEngine``.
 
         ``submit_store(job_id, GPULoadStoreSpec, CPULoadStoreSpec)`` and
@@ -446,7 +449,7 @@ def _build_classes() -> dict[str, type]:
         def shutdown(self) -> None:
             self.engine.shutdown()
 
-    class TritonOffloadingSpec(api.CPUOffloadingSpec):  # type: ignore[misc, name-defined]
+    class TritonOffloadingSpec(api.CPUOffloadingSpec):  # type: ignore[name-defined]
         """vLLM's CPU offloading with this project's data path.
 
         The constructor is cheap and has no side effects (vLLM builds the spec in the
