@@ -126,11 +126,14 @@ class Results:
     correctness: list[Measurement]
     notes: list[str]
     wall_s: float = 0.0
+    #: per case run: name, description, bytes and pages per job, page sizes, groups
+    cases: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "environment": self.environment,
             "config": self.config,
+            "cases": self.cases,
             "measurements": [asdict(m) for m in self.measurements],
             "host_costs": [{**asdict(h), "ratio": h.ratio} for h in self.host_costs],
             "correctness": [asdict(m) for m in self.correctness],
@@ -669,7 +672,30 @@ def _run(config: Config, show_progress: bool) -> Results:
         correctness=correctness,
         notes=notes,
         wall_s=time.perf_counter() - started,
+        cases=[case_summary(case) for case in cases],
     )
+
+
+def case_summary(case: Case) -> dict[str, Any]:
+    """What one job of ``case`` moves, for the report."""
+    return {
+        "name": case.name,
+        "description": case.description,
+        "job_bytes": case.job_bytes,
+        "job_pages": case.job_pages,
+        "page_sizes": list(case.page_sizes),
+        "groups": [
+            {
+                "name": g.name,
+                "kind": g.kind,
+                "block_size": g.block_size,
+                "layers": g.layers,
+                "plane_bytes": list(g.plane_bytes),
+                "blocks_per_job": g.blocks_per_job,
+            }
+            for g in case.groups
+        ],
+    }
 
 
 __all__ = [

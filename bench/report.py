@@ -241,6 +241,19 @@ def markdown_report(results: Results, plot_name: str | None) -> str:
     out += [f"- {v.sentence()}" for v in verdicts(results.measurements)]
     if plot_name is not None:
         out += ["", f"![GB/s vs page size]({plot_name})"]
+    if results.cases:
+        out += ["", "## Cases", ""]
+        out += [
+            f"- **{c['name']}**: {c['description']}. One job: "
+            f"{c['job_bytes'] / 2**20:.1f} MiB in {c['job_pages']} pages ("
+            + "; ".join(
+                f"{g['name']}: {g['layers']} layers x {g['blocks_per_job']} blocks x "
+                + " + ".join(f"{b:,} B" for b in g["plane_bytes"])
+                for g in c["groups"]
+            )
+            + ")."
+            for c in results.cases
+        ]
     out += [
         "",
         "## All measurements",

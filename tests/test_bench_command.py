@@ -91,6 +91,9 @@ def test_quick_run_writes_table_json_report_and_plot(
         assert not any(m["path"] in ("triton", "flat-triton") for m in timed)
         checks = {(c["path"], c["status"]) for c in payload["correctness"]}
         assert checks == {("triton", "verified"), ("flat-triton", "verified")}
+    described = {c["name"]: c for c in payload["cases"]}
+    assert described["llama3.1-8b-tp4"]["groups"][0]["plane_bytes"] == [8192, 8192]
     report = (out / "report.md").read_text()
+    assert "## Cases" in report and "8,192 B + 8,192 B" in report
     assert "llama3.1-8b-tp4 store: fastest path" in report
     assert "the best baseline" in report and "of the ceiling" in report
