@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from triton_offload.bench import harness, presets
 from triton_offload.bench.command import PATH_NAMES
 
