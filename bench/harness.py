@@ -281,9 +281,10 @@ def count_device_ops(runner: PathRunner, direction: str, device: torch.device) -
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             time_job(runner, direction, device)
             _sync(device)
-        return sum(1 for event in prof.events() if event.device_type == DeviceType.CUDA)
+        count = sum(1 for event in prof.events() if event.device_type == DeviceType.CUDA)
     except Exception:
         return None
+    return count or None  # a job that moves bytes enqueues something: 0 means not traced
 
 
 def measure(
