@@ -644,6 +644,16 @@ def _run(config: Config, show_progress: bool) -> Results:
     started = time.perf_counter()
     cases, notes = cases_for(config)
     interpreted = config.device.type != "cuda"
+    if interpreted:
+        checked = [p for p in config.paths if p in CPU_INTERPRETED_PATHS]
+        absent = [p for p in config.paths if p not in CPU_TIMED_PATHS + CPU_INTERPRETED_PATHS]
+        if checked:
+            notes.append(
+                f"not timed without CUDA: {', '.join(checked)} (interpreted Triton: "
+                "byte-exact in the correctness pass, no GB/s)"
+            )
+        if absent:
+            notes.append(f"not run without CUDA: {', '.join(absent)} (need a GPU)")
     total = len(cases) * len(_paths_for(config)) + len(config.presets)
     if interpreted:
         total += interpreted_steps(config)

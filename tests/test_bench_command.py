@@ -89,6 +89,7 @@ def test_quick_run_writes_table_json_report_and_plot(
     if not env["cuda_available"]:
         # interpreted Triton paths: correctness only, never a GB/s figure
         assert not any(m["path"] in ("triton", "flat-triton") for m in timed)
+        assert any(n.startswith("not run without CUDA: dma") for n in payload["notes"])
         checks = {(c["path"], c["status"]) for c in payload["correctness"]}
         assert checks == {("triton", "verified"), ("flat-triton", "verified")}
     described = {c["name"]: c for c in payload["cases"]}
