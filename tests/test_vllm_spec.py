@@ -254,6 +254,23 @@ def test_selecting_spec_under_unsupported_vllm_fails_clearly(
         OffloadingSpecFactory.create_spec(_config())
 
 
+@needs_vllm
+def test_plugin_registration_is_cheap() -> None:
+    """register() runs in every vLLM process: it must not build the spec or the engine."""
+    import subprocess
+
+    code = (
+        "import sys, triton_offload.vllm as tv; tv.register()\n"
+        "from vllm.v1.kv_offload.factory import OffloadingSpecFactory as F\n"
+        "heavy = ['vllm.distributed.kv_transfer', 'vllm.v1.kv_offload.cpu.spec',"
+        " 'triton_offload.engine', 'triton_offload.kernels.copy_blocks']\n"
+        "print(tv.SPEC_NAME in F._registry, [m for m in heavy if m in sys.modules],"
+        " 'TritonOffloadingSpec' in vars(tv))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "True [] False"
+
+
 # --------------------------------------------------------------------- factory
 
 
