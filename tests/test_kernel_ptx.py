@@ -65,7 +65,11 @@ def compile_kernel(capability: int, out_dir: str) -> dict[str, object]:
     ptx_path.write_text(ptx)
     arch = re.search(r"^\.target\s+(\S+)", ptx, re.MULTILINE)
     assert arch is not None
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    # The ptxas Triton itself assembles this architecture with: Triton 3.9 emits PTX 9.x
+    # for sm_90, which only its newer bundled ptxas accepts (3.6 uses the legacy one).
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    ptxas = get_ptxas(capability).path
     result = subprocess.run(
         [str(ptxas), "-v", f"-arch={arch.group(1)}", str(ptx_path), "-o", os.devnull],
         capture_output=True,
