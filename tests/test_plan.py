@@ -107,6 +107,20 @@ def test_sliding_window_example() -> None:
     assert plan.store_reachable_chunks(1, 10) == [2, 3, 6, 7, 8, 9]
 
 
+def test_needed_chunks_of_a_hit() -> None:
+    """The chunks a resume at ``hit_end`` reads (what the lookup checks, what a load moves)."""
+    plan = plan_offload([FULL16, GroupSpec("sliding_window", 4, sliding_window=8), MAMBA16_ALIGN])
+    full, swa, mamba = plan.groups
+    assert full.needed_chunks(32) == (0, 2)
+    assert full.needed_chunks(33) == (0, 3)  # the chunk holding token 32 is taken whole
+    # On the grid: the window's 2 chunks. Off it (33): token 33 reads tokens 26..32,
+    # chunks 6..8, one chunk more than the window.
+    assert swa.needed_chunks(32) == (6, 8)
+    assert swa.needed_chunks(33) == (6, 9)
+    assert swa.needed_chunks(4) == (0, 1)  # a window reaching before token 0 is clipped
+    assert mamba.needed_chunks(32) == (1, 2)  # only the state after token 31
+
+
 def test_blocks_per_chunk_scales_chunks_not_spans() -> None:
     plan = plan_offload(
         [GroupSpec("full_attention", 16), GroupSpec("sliding_window", 4, sliding_window=20)],

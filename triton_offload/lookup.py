@@ -246,12 +246,9 @@ def _group_hit_end(
         end = first_absent(present, start, min(top + extra, full_chunks))
     else:
         if max_hit % tpc:
-            needed = max(window, top - group.first_needed_token(max_hit) // tpc)
+            lo, _ = group.needed_chunks(max_hit)
             stop = top + extra
-            if (
-                stop <= full_chunks
-                and first_absent(present, max(start, top - needed), stop) == stop
-            ):
+            if stop <= full_chunks and first_absent(present, max(start, lo), stop) == stop:
                 return max_hit
             max_hit -= max_hit % tpc
             top -= 1

@@ -82,6 +82,24 @@ class GroupPlan:
             return max(0, hit_end - 1)
         return 0
 
+    def needed_chunks(self, hit_end: int) -> tuple[int, int]:
+        """Chunks ``[lo, top)`` of this group a prefill resumed at ``hit_end`` reads.
+
+        ``top = ceil(hit_end / tokens_per_chunk)``: a hit that ends inside a chunk takes
+        that chunk whole. Unbounded kinds read every chunk from 0. A windowed group
+        reads its last ``sliding_window_size_in_chunks`` chunks, or more when
+        ``hit_end`` is off its grid and :meth:`first_needed_token` reaches further back
+        (a window starting early in a chunk spans one chunk more). The lookup checks
+        exactly these chunks (plus the chunk after them for an EAGLE group); a load
+        moves exactly these.
+        """
+        tpc = self.tokens_per_chunk
+        top = -(-hit_end // tpc)
+        window = self.sliding_window_size_in_chunks
+        if window is None:
+            return 0, top
+        return max(0, min(top - window, self.first_needed_token(hit_end) // tpc)), top
+
     def storable_chunk_count(self, num_tokens: int, *, num_prompt_tokens: int | None = None) -> int:
         """Chunks of this group worth considering for a store after ``num_tokens`` tokens.
 

@@ -303,22 +303,12 @@ class OffloadServer:
         ]
         return self.plan.lookup(len(prompt), 0, present)
 
-    def _load_range(self, group: int, hit: int) -> tuple[int, int]:
-        """Chunks ``[lo, top)`` of ``group`` a resume at ``hit`` needs on the GPU."""
-        gp = self.plan.groups[group]
-        tpc = gp.tokens_per_chunk
-        top = -(-hit // tpc)
-        window = gp.sliding_window_size_in_chunks
-        if window is None:
-            return 0, top
-        return max(0, min(top - window, gp.first_needed_token(hit) // tpc)), top
-
     def _load(self, prompt: Sequence[int], hit: int, blocks: RequestBlocks) -> int:
         bpc = self.plan.blocks_per_chunk
         handles = []
         try:
             for g in range(len(self.plan.groups)):
-                lo, top = self._load_range(g, hit)
+                lo, top = self.plan.groups[g].needed_chunks(hit)
                 keys = self._keys(prompt, g)[lo:top]
                 if len(keys) != top - lo:
                     raise RuntimeError(
