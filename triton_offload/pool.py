@@ -11,18 +11,28 @@ plain memory and its device address is its host address.
 
 The CUDA runtime is called through ctypes on the ``libcudart`` that torch already
 loaded (found in ``/proc/self/maps``), falling back to the driver API in
-``libcuda.so.1``. None of this runs without a GPU.
+``libcuda.so.1``. None of this runs without a GPU. A failed runtime call also leaves
+its error as the thread's "last error", which torch would report at its next kernel
+launch as if that launch had failed; every failed call here clears it.
+
+Where ``cudaHostRegister`` is refused (some sandboxes and container runtimes do not
+support locking ordinary memory), the pool falls back to torch's pinned allocator,
+with a warning: it rounds the size up to a power of two, but the pool still works.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import mmap
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 #: Size of each ``cudaHostRegister`` call. 1 GiB keeps a single registration short
 #: (it touches and locks every page) while a 100 GiB pool needs only ~100 calls.
@@ -40,11 +50,18 @@ class CudaApi:
     ``memcpy_async`` between unified addresses on a raw stream handle.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, runtime: Any = None, driver: Any = None) -> None:
+        """Bind the calls on ``runtime`` (a libcudart handle) or else ``driver`` (libcuda).
+
+        With neither, the libcudart torch loaded is found, else ``libcuda.so.1`` is
+        opened. (Tests pass stand-in libraries to check the bindings' C signatures.)
+        """
         self._register: Callable[..., int]
         self._unregister: Callable[..., int]
         self._device_pointer: Callable[..., int]
-        runtime = self._find_runtime()
+        self._clear_error: Callable[[], object] = lambda: None
+        if runtime is None and driver is None:
+            runtime = self._find_runtime()
         if runtime is not None:
             self._register = runtime.cudaHostRegister
             self._unregister = runtime.cudaHostUnregister
@@ -63,9 +80,14 @@ class CudaApi:
                 return int(runtime_copy(dst, src, size, _CUDA_MEMCPY_DEFAULT, stream))
 
             self._memcpy: Callable[[int, int, int, int], int] = copy
-            self.source = f"runtime {runtime._name}"
+            last_error = runtime.cudaGetLastError
+            last_error.argtypes = []
+            last_error.restype = ctypes.c_int
+            self._clear_error = last_error
+            self.source = f"runtime {getattr(runtime, '_name', runtime)}"
         else:
-            driver = ctypes.CDLL("libcuda.so.1")
+            if driver is None:
+                driver = ctypes.CDLL("libcuda.so.1")
             self._register = driver.cuMemHostRegister_v2
             self._unregister = driver.cuMemHostUnregister
             self._device_pointer = driver.cuMemHostGetDevicePointer_v2
@@ -78,7 +100,7 @@ class CudaApi:
             ]
             driver_copy.restype = ctypes.c_int
             self._memcpy = lambda dst, src, size, stream: int(driver_copy(dst, src, size, stream))
-            self.source = "driver libcuda.so.1"
+            self.source = f"driver {getattr(driver, '_name', driver)}"
         self._register.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
         self._register.restype = ctypes.c_int
         self._unregister.argtypes = [ctypes.c_void_p]
@@ -112,18 +134,29 @@ class CudaApi:
         flags = _CUDA_HOST_REGISTER_PORTABLE | _CUDA_HOST_REGISTER_MAPPED
         code = self._register(address, size, flags)
         if code != 0:
+            self._clear_error()
             raise RuntimeError(
                 f"registering {size} bytes of host memory at {address:#x} failed with "
                 f"CUDA error {code} ({self.source})"
             )
 
     def unregister(self, address: int) -> None:
-        self._unregister(address)
+        """Unlock the registration at ``address``; a failure is logged, not raised (cleanup)."""
+        code = self._unregister(address)
+        if code != 0:
+            self._clear_error()
+            logger.warning(
+                "unregistering host memory at %#x failed with CUDA error %d (%s)",
+                address,
+                code,
+                self.source,
+            )
 
     def device_pointer(self, address: int) -> int:
         out = ctypes.c_void_p()
         code = self._device_pointer(ctypes.byref(out), address, 0)
         if code != 0 or out.value is None:
+            self._clear_error()
             raise RuntimeError(
                 f"no device address for host memory at {address:#x}: CUDA error {code} "
                 f"({self.source})"
@@ -134,6 +167,7 @@ class CudaApi:
         """Enqueue one copy between unified addresses on the raw stream handle."""
         code = self._memcpy(dst, src, size, stream)
         if code != 0:
+            self._clear_error()
             raise RuntimeError(
                 f"async copy of {size} bytes {src:#x} -> {dst:#x} failed with CUDA error "
                 f"{code} ({self.source})"
@@ -161,12 +195,15 @@ class HostPool:
     """The host pool: ``tensor`` is uint8 ``[rows, row_bytes]``.
 
     ``device_address`` is the address kernels use for row 0 (equal to the host
-    address without CUDA). ``pinned`` says whether the memory is page-locked.
+    address without CUDA). ``pinned`` says whether the memory is page-locked;
+    ``locked_by`` how: ``"cudaHostRegister"`` (in pieces), ``"pin_memory"`` (torch's
+    pinned allocator: the fallback, or a caller's pinned tensor), ``""`` when not pinned.
     """
 
     tensor: torch.Tensor
     device_address: int
     pinned: bool
+    locked_by: str = ""
     _pieces: list[int] = field(default_factory=list, repr=False)
     _finalizer: weakref.finalize | None = field(default=None, repr=False)
 
@@ -236,14 +273,47 @@ def allocate_pool(
                     f"{address:#x}, not {device_base + start:#x}; the pool needs one "
                     "linear device mapping (unified addressing)"
                 )
+    except RuntimeError as error:
+        _unregister_all(pieces, tensor)
+        del tensor, backing
+        return _torch_pinned_pool(rows, row_bytes, error)
     except BaseException:
         _unregister_all(pieces, tensor)
         raise
     assert device_base is not None
-    pool = HostPool(tensor=tensor, device_address=device_base, pinned=True, _pieces=pieces)
+    pool = HostPool(
+        tensor=tensor,
+        device_address=device_base,
+        pinned=True,
+        locked_by="cudaHostRegister",
+        _pieces=pieces,
+    )
     # Unregister before the memory can be freed: the finalizer holds the tensor.
     pool._finalizer = weakref.finalize(pool, _unregister_all, pieces, tensor)
     return pool
+
+
+def _pinned_zeros(size: int) -> torch.Tensor:
+    return torch.zeros(size, dtype=torch.uint8, pin_memory=True)
+
+
+def _torch_pinned_pool(rows: int, row_bytes: int, why: Exception) -> HostPool:
+    """The pool from torch's pinned allocator, when registering ordinary memory failed."""
+    total = rows * row_bytes
+    logger.warning(
+        "page-locking the %d-byte host pool with cudaHostRegister failed (%s); using "
+        "torch's pinned allocator instead, which locks the size rounded up to a power of two",
+        total,
+        why,
+    )
+    try:
+        tensor = _pinned_zeros(total).view(rows, row_bytes)
+    except RuntimeError as error:
+        raise RuntimeError(
+            f"could not pin a host pool of {total} bytes: cudaHostRegister failed ({why}) "
+            f"and torch's pinned allocator failed ({error})"
+        ) from error
+    return HostPool(tensor, device_address_of_pinned(tensor), pinned=True, locked_by="pin_memory")
 
 
 def wrap_pool(tensor: torch.Tensor, *, rows: int, row_bytes: int, cuda: bool) -> HostPool:
@@ -265,7 +335,9 @@ def wrap_pool(tensor: torch.Tensor, *, rows: int, row_bytes: int, cuda: bool) ->
                 "pool is pageable host memory; with CUDA the host pool must be pinned "
                 "(torch.empty(..., pin_memory=True) or cudaHostRegister)"
             )
-        return HostPool(tensor, device_address_of_pinned(tensor), pinned=True)
+        return HostPool(
+            tensor, device_address_of_pinned(tensor), pinned=True, locked_by="pin_memory"
+        )
     return HostPool(tensor, tensor.data_ptr(), pinned=False)
 
 

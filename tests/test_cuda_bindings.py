@@ -1,0 +1,227 @@
+"""The ctypes bindings of triton_offload.pool, checked without a GPU.
+
+Each CUDA entry point is replaced by a C function pointer (a ctypes callback with the
+real C prototype) reached through a bare, CDLL-style pointer, as ``ctypes.CDLL``
+would hand it out: the bindings must set ``argtypes``/``restype`` themselves, or a
+64-bit address or size is truncated / refused on the way in. The pool allocation is
+then driven through a stand-in API: pieces, one linear device mapping, unregistration,
+and the fallback to torch's pinned allocator when registration is refused.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from typing import Any
+
+import pytest
+import torch
+
+from triton_offload import pool as pool_module
+from triton_offload.pool import CudaApi, allocate_pool
+
+HIGH_ADDRESS = 0x7F3A_1234_5000  # above 4 GiB: a 32-bit argument would lose it
+DEVICE_ADDRESS = 0x7F00_DEAD_B000
+BIG_SIZE = 5 << 30  # above 4 GiB: a 32-bit size_t would lose it
+STREAM = 0x5555_6666_7777
+
+_BARE = ctypes.CDLL(None)._FuncPtr  # what CDLL returns for a symbol: no argtypes, int result
+
+
+class FakeLibrary:
+    """C function pointers with the real prototypes; ``codes`` sets each one's result."""
+
+    def __init__(self, prototypes: dict[str, tuple[Any, ...]]) -> None:
+        self.calls: list[tuple[str, tuple[Any, ...]]] = []
+        self.codes: dict[str, int] = {}
+        self._callbacks = []
+        for name, (restype, *argtypes) in prototypes.items():
+            callback = ctypes.CFUNCTYPE(restype, *argtypes)(self._recorder(name))
+            self._callbacks.append(callback)
+            address = ctypes.cast(callback, ctypes.c_void_p).value
+            setattr(self, name, _BARE(address))
+
+    def _recorder(self, name: str) -> Any:
+        def call(*args: Any) -> int:
+            if name in ("cudaHostGetDevicePointer", "cuMemHostGetDevicePointer_v2"):
+                out, host = args[0], args[1]
+                out[0] = host - HIGH_ADDRESS + DEVICE_ADDRESS
+                args = args[1:]
+            self.calls.append((name, args))
+            return self.codes.get(name, 0)
+
+        return call
+
+
+def runtime_library() -> FakeLibrary:
+    c = ctypes
+    return FakeLibrary(
+        {
+            "cudaHostRegister": (c.c_int, c.c_void_p, c.c_size_t, c.c_uint),
+            "cudaHostUnregister": (c.c_int, c.c_void_p),
+            "cudaHostGetDevicePointer": (c.c_int, c.POINTER(c.c_void_p), c.c_void_p, c.c_uint),
+            "cudaMemcpyAsync": (c.c_int, c.c_void_p, c.c_void_p, c.c_size_t, c.c_int, c.c_void_p),
+            "cudaGetLastError": (c.c_int,),
+        }
+    )
+
+
+def driver_library() -> FakeLibrary:
+    c = ctypes
+    return FakeLibrary(
+        {
+            "cuMemHostRegister_v2": (c.c_int, c.c_void_p, c.c_size_t, c.c_uint),
+            "cuMemHostUnregister": (c.c_int, c.c_void_p),
+            # CUdeviceptr is an unsigned 64-bit integer
+            "cuMemHostGetDevicePointer_v2": (
+                c.c_int,
+                c.POINTER(c.c_uint64),
+                c.c_void_p,
+                c.c_uint,
+            ),
+            "cuMemcpyAsync": (c.c_int, c.c_uint64, c.c_uint64, c.c_size_t, c.c_void_p),
+        }
+    )
+
+
+def test_bare_pointer_truncates_without_argtypes() -> None:
+    """The stand-in is faithful: an unbound call masks a 64-bit address to a C int."""
+    lib = runtime_library()
+    lib.cudaHostRegister(HIGH_ADDRESS, BIG_SIZE, 3)
+    ((_, (address, size, _)),) = lib.calls
+    assert address != HIGH_ADDRESS and size != BIG_SIZE
+
+
+@pytest.mark.parametrize("kind", ["runtime", "driver"])
+def test_64_bit_arguments_arrive_intact(kind: str) -> None:
+    lib = runtime_library() if kind == "runtime" else driver_library()
+    api = CudaApi(**{kind: lib})
+    api.register(HIGH_ADDRESS, BIG_SIZE)
+    assert api.device_pointer(HIGH_ADDRESS + 4096) == DEVICE_ADDRESS + 4096
+    api.memcpy_async(DEVICE_ADDRESS, HIGH_ADDRESS, BIG_SIZE, STREAM)
+    api.unregister(HIGH_ADDRESS)
+    names = {
+        "runtime": (
+            "cudaHostRegister",
+            "cudaHostGetDevicePointer",
+            "cudaMemcpyAsync",
+            "cudaHostUnregister",
+        ),
+        "driver": (
+            "cuMemHostRegister_v2",
+            "cuMemHostGetDevicePointer_v2",
+            "cuMemcpyAsync",
+            "cuMemHostUnregister",
+        ),
+    }[kind]
+    memcpy_args = (DEVICE_ADDRESS, HIGH_ADDRESS, BIG_SIZE)
+    memcpy_args += (4, STREAM) if kind == "runtime" else (STREAM,)  # 4: cudaMemcpyDefault
+    assert lib.calls == [
+        (names[0], (HIGH_ADDRESS, BIG_SIZE, 3)),  # portable | mapped (device map)
+        (names[1], (HIGH_ADDRESS + 4096, 0)),
+        (names[2], memcpy_args),
+        (names[3], (HIGH_ADDRESS,)),
+    ]
+    for function in (api._register, api._unregister, api._device_pointer):
+        assert function.restype is ctypes.c_int
+
+
+def test_runtime_errors_raise_and_clear_the_last_error(caplog: pytest.LogCaptureFixture) -> None:
+    lib = runtime_library()
+    api = CudaApi(runtime=lib)
+    lib.codes = {
+        "cudaHostRegister": 712,  # cudaErrorHostMemoryAlreadyRegistered
+        "cudaHostGetDevicePointer": 1,
+        "cudaMemcpyAsync": 1,
+        "cudaHostUnregister": 713,
+    }
+    with pytest.raises(RuntimeError, match="CUDA error 712"):
+        api.register(HIGH_ADDRESS, 4096)
+    with pytest.raises(RuntimeError, match="no device address"):
+        api.device_pointer(HIGH_ADDRESS)
+    with pytest.raises(RuntimeError, match="async copy"):
+        api.memcpy_async(1, 2, 3, STREAM)
+    with caplog.at_level(logging.WARNING, logger="triton_offload.pool"):
+        api.unregister(HIGH_ADDRESS)  # cleanup: logged, not raised
+    assert "CUDA error 713" in caplog.text
+    cleared = [name for name, _ in lib.calls if name == "cudaGetLastError"]
+    assert len(cleared) == 4  # one per failed call: torch would report it later otherwise
+
+
+class StandInApi:
+    """Host memory 'registered' by bookkeeping; device address = host address + shift."""
+
+    def __init__(self, shift: int = 0x1000_0000, scatter: bool = False) -> None:
+        self.shift = shift
+        self.scatter = scatter
+        self.registered: dict[int, int] = {}
+        self.refuse = False
+
+    def register(self, address: int, size: int) -> None:
+        if self.refuse:
+            raise RuntimeError("registering failed with CUDA error 801 (stand-in)")
+        assert address % 4096 == 0 and address not in self.registered
+        self.registered[address] = size
+
+    def unregister(self, address: int) -> None:
+        del self.registered[address]
+
+    def device_pointer(self, address: int) -> int:
+        extra = (len(self.registered) << 40) if self.scatter else 0
+        return address + self.shift + extra
+
+
+@pytest.fixture
+def stand_in(monkeypatch: pytest.MonkeyPatch) -> Any:
+    def use(api: StandInApi) -> StandInApi:
+        monkeypatch.setattr(pool_module, "cuda_api", lambda: api)
+        monkeypatch.setattr(
+            pool_module, "_pinned_zeros", lambda n: torch.zeros(n, dtype=torch.uint8)
+        )
+        return api
+
+    return use
+
+
+def test_pool_registered_in_page_pieces_with_one_mapping(stand_in: Any) -> None:
+    api = stand_in(StandInApi())
+    pool = allocate_pool(5, 3000, pinned=True, piece_bytes=5000)  # rounded up to 8192
+    assert pool.locked_by == "cudaHostRegister"
+    base = pool.tensor.data_ptr()
+    assert base % 4096 == 0
+    assert api.registered == {base: 8192, base + 8192: 15000 - 8192}
+    assert pool.device_address == base + api.shift
+    assert pool.tensor.shape == (5, 3000) and not pool.tensor.any()
+    pool.close()
+    assert api.registered == {}
+    pool.close()  # idempotent
+
+
+@pytest.mark.parametrize("failure", ["refused", "scattered"])
+def test_pool_falls_back_to_torch_pinned_memory(
+    stand_in: Any, failure: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    api = stand_in(StandInApi(scatter=failure == "scattered"))
+    api.refuse = failure == "refused"
+    with caplog.at_level(logging.WARNING, logger="triton_offload.pool"):
+        pool = allocate_pool(4, 4096, pinned=True, piece_bytes=4096)
+    assert "torch's pinned allocator" in caplog.text
+    assert api.registered == {}  # pieces registered before the failure are unlocked
+    assert pool.locked_by == "pin_memory" and pool.pinned
+    assert pool.device_address == pool.tensor.data_ptr() + api.shift
+    assert pool.tensor.shape == (4, 4096)
+    pool.close()
+
+
+def test_pool_fallback_failure_names_both_causes(
+    stand_in: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    api = stand_in(StandInApi())
+    api.refuse = True
+
+    def no_pinned(n: int) -> torch.Tensor:
+        raise RuntimeError("out of pinned memory")
+
+    monkeypatch.setattr(pool_module, "_pinned_zeros", no_pinned)
+    with pytest.raises(RuntimeError, match=r"CUDA error 801.*out of pinned memory"):
+        allocate_pool(2, 4096, pinned=True)
