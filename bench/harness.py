@@ -12,6 +12,7 @@ tables and enqueueing it; without CUDA it includes the copy).
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import platform
 import shutil
@@ -167,11 +168,11 @@ def environment(device: torch.device) -> dict[str, Any]:
         "driver": None,
         "cuda_runtime": torch.version.cuda,
     }
+    # From the distribution's metadata: importing vllm takes seconds (and can fail
+    # without its CUDA dependencies) just to read a version string.
     try:
-        import vllm
-
-        info["vllm"] = vllm.__version__
-    except Exception:
+        info["vllm"] = importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
         info["vllm"] = None
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import platform
 import sys
 from collections.abc import Sequence
@@ -33,11 +34,11 @@ def _run_info(_: argparse.Namespace) -> int:
     if cuda:
         print(f"gpu             {torch.cuda.get_device_name()}")
         print(f"cuda runtime    {torch.version.cuda}")
+    # The version from the distribution's metadata: importing vllm takes seconds and
+    # only triton_offload.vllm may import it.
     try:
-        import vllm
-
-        print(f"vllm            {vllm.__version__}")
-    except ImportError:
+        print(f"vllm            {importlib.metadata.version('vllm')}")
+    except importlib.metadata.PackageNotFoundError:
         print("vllm            not installed")
     return 0
 
