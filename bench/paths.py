@@ -47,6 +47,9 @@ BASELINES = ("per-page-copy", "index-copy", "flat-triton", "batched-dma", "vllm-
 CEILING = "ceiling"
 ALL_PATHS = (*ENGINE_BACKENDS, *BASELINES, CEILING)
 
+#: A DMA job enqueuing more copies than this reports its copier's count, not a profile.
+MAX_PROFILED_COPIES = 20_000
+
 POISON = 0xA5  # fill of destination bytes before a verified copy
 CACHE_POISON = 0x5A
 
@@ -362,7 +365,14 @@ class EnginePath(_PoolPath):
 
     def launches_per_job(self, direction: str) -> int | None:
         # Counted on CUDA by the profiler (harness.count_device_ops): table upload and
-        # kernel for "triton", one copy per merged run for "dma".
+        # kernel for "triton", one copy per merged run for "dma". A DMA job of very many
+        # copies is not profiled (its trace alone takes seconds to collect): the copier's
+        # own count of the copies it enqueued for the last job is exact.
+        engine = self.engine
+        if engine.cuda and engine.last_job_backend == "dma":
+            copies = int(engine._dma.last_copy_count)
+            if copies > MAX_PROFILED_COPIES:
+                return copies
         return None
 
     def close(self) -> None:
@@ -494,23 +504,44 @@ class BatchedDmaPath(_OwnPoolPath):
             raise PathUnavailable("cuda-python has no cuMemcpyBatchAsync (needs 12.8+)")
         super().__init__(ws)
         self._driver = driver
-        attributes = driver.CUmemcpyAttributes()
-        attributes.srcAccessOrder = driver.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
-        self._attributes = [attributes]
+        try:
+            attributes = driver.CUmemcpyAttributes()
+            order = driver.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+            attributes.srcAccessOrder = order
+            self._attributes = [attributes]
+            self._probe()
+        except Exception as error:  # the bindings' signature differs between releases
+            self.close()
+            raise PathUnavailable(
+                f"cuMemcpyBatchAsync probe failed: {type(error).__name__}: {error}"
+            ) from None
 
-    def submit(self, direction: str) -> None:
+    def _probe(self) -> None:
+        """One 16-byte device copy: an API this path cannot call is unavailable, not wrong."""
+        probe = torch.arange(32, dtype=torch.uint8, device=self.ws.device)
+        torch.cuda.synchronize(self.ws.device)
+        self._batch([probe.data_ptr() + 16], [probe.data_ptr()], [16])
+        self.stream.synchronize()
+        if not torch.equal(probe[16:], probe[:16]):
+            raise RuntimeError("the probe copy did not move its 16 bytes")
+
+    def _batch(self, dst: list[int], src: list[int], sizes: list[int]) -> None:
         driver = self._driver
-        src, dst, sizes = self.ws.descriptors(self.pool.device_address, direction)
-        srcs = [driver.CUdeviceptr(int(a)) for a in src.tolist()]
-        dsts = [driver.CUdeviceptr(int(a)) for a in dst.tolist()]
+        srcs = [driver.CUdeviceptr(int(a)) for a in src]
+        dsts = [driver.CUdeviceptr(int(a)) for a in dst]
         stream = driver.CUstream(self.stream.cuda_stream)
-        # failIdx is an output of the C call: the bindings return it, they do not take it
+        # failIdx is an output of the C call (CUDA 12.8-12.9; gone in 13): the bindings
+        # return it, they do not take it.
         result = driver.cuMemcpyBatchAsync(
-            dsts, srcs, sizes.tolist(), len(srcs), self._attributes, [0], 1, stream
+            dsts, srcs, sizes, len(srcs), self._attributes, [0], 1, stream
         )
         error = result[0] if isinstance(result, tuple) else result
         if error != driver.CUresult.CUDA_SUCCESS:
             raise RuntimeError(f"cuMemcpyBatchAsync failed: {error}")
+
+    def submit(self, direction: str) -> None:
+        src, dst, sizes = self.ws.descriptors(self.pool.device_address, direction)
+        self._batch(dst.tolist(), src.tolist(), sizes.tolist())
 
     def launches_per_job(self, direction: str) -> int | None:
         return 1
@@ -589,6 +620,10 @@ class CeilingPath:
         for direction in DIRECTIONS:
             if direction == LOAD:
                 self.device_buffer.fill_(CACHE_POISON)
+                if self.ws.cuda:
+                    # The poison ran on the default stream; the copy runs on this path's
+                    # own stream, which does not wait for it by itself.
+                    torch.cuda.synchronize(self.ws.device)
             else:
                 self.host_buffer.fill_(POISON)
                 expected = self.device_buffer.cpu()
