@@ -27,6 +27,8 @@ _EXPORTS: dict[str, str] = {
     "TransferEngine": "triton_offload.engine",
     "TransferResult": "triton_offload.engine",
     "HostBlockManager": "triton_offload.host_blocks",
+    "LoadHandle": "triton_offload.host_blocks",
+    "StoreHandle": "triton_offload.host_blocks",
 }
 
 __all__ = [
@@ -34,9 +36,11 @@ __all__ = [
     "GroupPlan",
     "GroupSpec",
     "HostBlockManager",
+    "LoadHandle",
     "OffloadPlan",
     "ParallelSpec",
     "PlanningError",
+    "StoreHandle",
     "TransferEngine",
     "TransferResult",
     "__version__",
@@ -47,7 +51,7 @@ __all__ = [
 if TYPE_CHECKING:
     from triton_offload.engine import TransferEngine, TransferResult
     from triton_offload.groups import GroupKind, GroupSpec, ParallelSpec, PlanningError
-    from triton_offload.host_blocks import HostBlockManager
+    from triton_offload.host_blocks import HostBlockManager, LoadHandle, StoreHandle
     from triton_offload.lookup import is_store_reachable_chunk
     from triton_offload.plan import GroupPlan, OffloadPlan, plan_offload
 

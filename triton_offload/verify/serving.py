@@ -40,9 +40,9 @@ from triton_offload import (
     HostBlockManager,
     OffloadPlan,
     ParallelSpec,
+    StoreHandle,
     plan_offload,
 )
-from triton_offload.host_blocks import StoreHandle
 from triton_offload.verify.model import HybridCache, HybridModel, ModelConfig, RequestBlocks
 
 if TYPE_CHECKING:
