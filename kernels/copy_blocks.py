@@ -280,9 +280,11 @@ class CopyLayout:
     """Validated static geometry of one cache registration, with its device tables.
 
     Build with :meth:`CopyLayout.build`. ``tile_table`` / ``group_table`` live on
-    ``device`` and are read by every launch; the ``*_np`` fields are host copies used by
-    :func:`validate_pairs`. The layout stores addresses only: the caller keeps the cache
-    tensors alive while the layout is used.
+    ``device`` and are read by every launch; ``group_num_blocks`` and the group pairs
+    that alias cache bytes (``cache_alias_groups``) or share pool-row bytes
+    (``pool_shared_groups``) stay on the host for :func:`validate_pairs`.
+    ``mean_tile_bytes`` (mean item size) sizes the default grid. The layout stores
+    addresses only: the caller keeps the cache tensors alive while the layout is used.
     """
 
     planes: tuple[PlaneGeometry, ...]
@@ -291,7 +293,6 @@ class CopyLayout:
     pool_row_bytes: int
     pool_rows: int
     device: torch.device
-    tile_bytes: int
     mean_tile_bytes: int
     tile_table: torch.Tensor
     group_table: torch.Tensor
@@ -410,7 +411,6 @@ class CopyLayout:
             pool_row_bytes=pool_row_bytes,
             pool_rows=pool_rows,
             device=device,
-            tile_bytes=TILE_BYTES,
             mean_tile_bytes=(sum(t[4] for t in tiles) // len(tiles) if tiles else TILE_BYTES),
             tile_table=tile_table,
             group_table=group_table,
@@ -418,10 +418,6 @@ class CopyLayout:
             cache_alias_groups=tuple(sorted(cache_alias)),
             pool_shared_groups=tuple(sorted(pool_shared)),
         )
-
-    def page_bytes_per_pair(self, group: int) -> int:
-        """Bytes one pair of ``group`` moves (sum of its planes' pages)."""
-        return sum(p.page_bytes for p in self.planes if p.group == group)
 
 
 def _host_int64(name: str, table: Any) -> np.ndarray:

@@ -259,11 +259,6 @@ def pool_plane_view(pool: torch.Tensor, plane: Plane, blocks_per_chunk: int) -> 
     )
 
 
-def total_bytes(layout: CacheLayout) -> int:
-    """Bytes of all pages of all planes (the size of the registered caches)."""
-    return sum(p.page_bytes * p.num_blocks for p in layout.planes)
-
-
 __all__ = [
     "POOL_ALIGNMENT",
     "CacheLayout",
@@ -271,5 +266,4 @@ __all__ = [
     "Plane",
     "build_layout",
     "pool_plane_view",
-    "total_bytes",
 ]
