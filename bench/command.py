@@ -152,6 +152,15 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="sweep pages per job, e.g. 16,1024,100000 (default 16..100000)",
     )
+    parser.add_argument(
+        "--max-seconds",
+        type=_positive("max seconds"),
+        default=None,
+        help=(
+            "wall-clock budget: start no case or path after this many seconds, then write "
+            "what was measured (the report says the run was cut); default: no limit"
+        ),
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
@@ -196,6 +205,7 @@ def run(args: argparse.Namespace) -> int:
         sweep_page_bytes=page_sizes,
         sweep_pages=pages,
         sweep_max_bytes=sweep_max,
+        max_seconds=args.max_seconds,
     )
     results = harness.run(config, show_progress=not args.no_progress)
     print(report.terminal_report(results))

@@ -120,6 +120,8 @@ class Config:
     sweep_page_bytes: list[int] = field(default_factory=lambda: list(presets.SWEEP_PAGE_BYTES))
     sweep_pages: list[int] = field(default_factory=lambda: list(presets.SWEEP_PAGES))
     sweep_max_bytes: int = 512 * presets.MiB
+    #: wall-clock budget of the run: no case or path starts after it (None: no limit)
+    max_seconds: float | None = None
 
 
 @dataclass
@@ -343,8 +345,26 @@ def _paths_for(config: Config) -> list[str]:
     return [p for p in CPU_TIMED_PATHS if p in wanted and p != CEILING] + [CEILING]
 
 
-def run_case(case: Case, config: Config, progress: Progress | None = None) -> list[Measurement]:
-    """Verify then time every path of ``config`` on ``case``; the ceiling first."""
+#: Note on the rows of paths that a run's wall-clock budget left out.
+CUT_NOTE = "cut: the run's wall-clock budget (--max-seconds) ran out before this path"
+
+
+def _past(deadline: float | None) -> bool:
+    return deadline is not None and time.perf_counter() >= deadline
+
+
+def run_case(
+    case: Case,
+    config: Config,
+    progress: Progress | None = None,
+    *,
+    deadline: float | None = None,
+) -> list[Measurement]:
+    """Verify then time every path of ``config`` on ``case``; the ceiling first.
+
+    Paths not started by ``deadline`` (a ``time.perf_counter()`` value) are reported
+    ``skipped`` with :data:`CUT_NOTE`.
+    """
     device = config.device
     ws = build_workspace(case, device)
     base = {
@@ -362,11 +382,26 @@ def run_case(case: Case, config: Config, progress: Progress | None = None) -> li
     if progress is not None:
         progress.step(f"{case.name} {CEILING}")
     results: list[Measurement] = []
+    cut = False
     for name in names:
-        results.extend(_run_path(name, ws, config, base))
+        if _past(deadline):
+            cut = True
+            results.extend(
+                Measurement(
+                    path=name,
+                    role=role_of(name),
+                    direction=d,
+                    status="skipped",
+                    note=CUT_NOTE,
+                    **base,
+                )
+                for d in config.directions
+            )
+        else:
+            results.extend(_run_path(name, ws, config, base))
         if progress is not None:
             progress.step(f"{case.name} {name}")
-    second = _run_path(CEILING, ws, config, base)
+    second = first if cut else _run_path(CEILING, ws, config, base)
     ceilings = [max(pair, key=lambda m: m.gbps or 0.0) for pair in zip(first, second, strict=True)]
     best = {m.direction: m.gbps for m in ceilings if m.gbps is not None}
     for row in (*ceilings, *results):
@@ -670,14 +705,44 @@ def _run(config: Config, show_progress: bool) -> Results:
     if interpreted:
         total += interpreted_steps(config)
     progress = Progress(total, enabled=show_progress)
+    deadline = None if config.max_seconds is None else started + config.max_seconds
     measurements: list[Measurement] = []
-    for case in cases:
-        measurements.extend(run_case(case, config, progress))
+    done = 0
+    interrupted = False
+    try:
+        for case in cases:
+            if _past(deadline):
+                break
+            measurements.extend(run_case(case, config, progress, deadline=deadline))
+            done += 1
+    except KeyboardInterrupt:  # e.g. `timeout -s INT`: keep what was measured
+        interrupted = True
+    if done < len(cases) or any(m.note == CUT_NOTE for m in measurements):
+        why = (
+            "the run was interrupted"
+            if interrupted
+            else f"the run's {config.max_seconds:g} s budget (--max-seconds) ran out"
+        )
+        left = ", ".join(case.name for case in cases[done:]) or "none"
+        notes.insert(
+            0,
+            f"cut: {why} after {done} of {len(cases)} cases; not run: {left}"
+            + (
+                "; paths marked 'skipped' (cut) in a run case were not started"
+                if any(m.note == CUT_NOTE for m in measurements)
+                else ""
+            ),
+        )
     host_costs = []
-    for name in config.presets:
-        host_costs.append(host_cost(presets.PRESETS[name], repeats=max(config.repeats, 5)))
-        progress.step(f"{name} host cost")
-    correctness = correctness_pass(config, progress) if interpreted else []
+    correctness: list[Measurement] = []
+    if not interrupted:
+        for name in config.presets:
+            host_costs.append(host_cost(presets.PRESETS[name], repeats=max(config.repeats, 5)))
+            progress.step(f"{name} host cost")
+        if interpreted and not _past(deadline):
+            correctness = correctness_pass(config, progress)
+        elif interpreted:
+            notes.append("cut: the interpreted correctness pass did not run (budget ran out)")
     return Results(
         environment=environment(config.device),
         config={
@@ -689,13 +754,14 @@ def _run(config: Config, show_progress: bool) -> Results:
             "paths": config.paths,
             "quick": config.quick,
             "target_bytes": config.target_bytes,
+            "max_seconds": config.max_seconds,
         },
         measurements=measurements,
         host_costs=host_costs,
         correctness=correctness,
         notes=notes,
         wall_s=time.perf_counter() - started,
-        cases=[case_summary(case) for case in cases],
+        cases=[case_summary(case) for case in cases[:done]],
     )
 
 
@@ -724,6 +790,7 @@ def case_summary(case: Case) -> dict[str, Any]:
 __all__ = [
     "CPU_INTERPRETED_PATHS",
     "CPU_TIMED_PATHS",
+    "CUT_NOTE",
     "Config",
     "HostCost",
     "Measurement",
