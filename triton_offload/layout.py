@@ -139,8 +139,12 @@ def _page_bytes(tensor: torch.Tensor, name: str) -> int:
     return page_bytes
 
 
-def _byte_view(tensor: torch.Tensor, block_stride: int, page_bytes: int) -> torch.Tensor:
-    """uint8 ``[num_blocks, page_bytes]`` view of ``tensor``'s storage, any dtype."""
+def byte_view(tensor: torch.Tensor, block_stride: int, page_bytes: int) -> torch.Tensor:
+    """uint8 ``[num_blocks, page_bytes]`` view of ``tensor``'s storage, any dtype.
+
+    Row ``b`` starts ``b * block_stride`` bytes after ``tensor``'s first element; writes
+    through the view land in the tensor. The caller checked that the page is contiguous.
+    """
     raw = torch.empty(0, dtype=torch.uint8, device=tensor.device)
     raw.set_(tensor.untyped_storage())
     return raw.as_strided(
@@ -224,7 +228,7 @@ def build_layout(
                         page_bytes=page_bytes,
                         num_blocks=blocks,
                         pool_offset=offset,
-                        view=_byte_view(tensor, block_stride, page_bytes),
+                        view=byte_view(tensor, block_stride, page_bytes),
                     )
                 )
                 offset += blocks_per_chunk * page_bytes
@@ -265,5 +269,6 @@ __all__ = [
     "Layer",
     "Plane",
     "build_layout",
+    "byte_view",
     "pool_plane_view",
 ]

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from triton_offload.kernels.copy_blocks import CopyLayout, Direction
+from triton_offload.layout import byte_view
 
 __all__ = ["byte_plane", "reference_copy"]
 
@@ -37,13 +38,7 @@ def byte_plane(tensor: torch.Tensor, page_bytes: int | None = None) -> torch.Ten
         page_bytes = region
     if not 0 < page_bytes <= region:
         raise ValueError(f"page_bytes {page_bytes} does not fit a block region of {region} bytes")
-    raw = torch.empty(0, dtype=torch.uint8, device=tensor.device)
-    raw.set_(tensor.untyped_storage())
-    return raw.as_strided(
-        (tensor.shape[0], page_bytes),
-        (tensor.stride(0) * element, 1),
-        tensor.storage_offset() * element,
-    )
+    return byte_view(tensor, tensor.stride(0) * element, page_bytes)
 
 
 def reference_copy(
