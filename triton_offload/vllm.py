@@ -395,7 +395,9 @@ def _build_classes() -> dict[str, type]:
             self.num_groups: int = engine.num_groups
             self._in_flight: set[Any] = set()
 
-        def _job(self, what: str, gpu: tuple[str, Any], host: tuple[str, Any]) -> tuple:
+        def _job(
+            self, what: str, gpu: tuple[str, Any], host: tuple[str, Any]
+        ) -> tuple[list[Any], list[Any], list[int]]:
             (gpu_name, gpu_spec), (host_name, host_spec) = gpu, host
             if not isinstance(gpu_spec, api.GPULoadStoreSpec):
                 raise TypeError(
