@@ -13,7 +13,8 @@ pages are 16-byte multiples keeps 16-byte aligned pages in the pool (the kernels
 16-byte accesses only where both sides allow them).
 
 This module imports no Triton: the geometry is converted to the kernel's
-``PlaneGeometry`` only when the Triton backend is used.
+``PlaneGeometry`` only on request (:meth:`Plane.geometry`). ``TransferEngine`` asks
+for it on every backend, so that the launcher's checks validate every job alike.
 """
 
 from __future__ import annotations
