@@ -204,6 +204,10 @@ def test_pool_pinned_in_pieces_with_one_device_mapping() -> None:
     engine = TransferEngine(
         plan(1), caches, HOST_BLOCKS, backend="triton", pool_piece_bytes=64 << 10
     )
+    assert engine._pool.locked_by == "cudaHostRegister", (
+        "cudaHostRegister was refused here: the pool fell back to torch's pinned "
+        "allocator (the warning in the log names the CUDA error)"
+    )
     assert len(engine._pool._pieces) > 1
     assert engine.pool.is_pinned()
     assert engine.pool_address == cuda_api().device_pointer(engine.pool.data_ptr())
