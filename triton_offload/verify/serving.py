@@ -457,7 +457,7 @@ def _chunk_tokens(config: ModelConfig, dcp: int, blocks_per_chunk: int) -> int:
         ParallelSpec(tp_size=dcp, dcp_size=dcp),
         blocks_per_chunk=blocks_per_chunk,
     )
-    return max(g.tokens_per_chunk for g in plan.groups)
+    return plan.max_tokens_per_chunk
 
 
 def build_scenarios(
