@@ -522,6 +522,14 @@ class TransferEngine:
                 "triton_offload.kernels.copy_blocks was imported before "
                 "TRITON_INTERPRET=1 was set; set it before the first import"
             )
+        if backend in ("triton", "auto") and self.cuda and copy_blocks._INTERPRETED:
+            # The interpreter runs the kernel on the host: the device addresses in the
+            # tables would be dereferenced there.
+            raise ValueError(
+                f"backend {backend!r} on CUDA caches needs the compiled kernel, but "
+                "TRITON_INTERPRET=1 was set when triton_offload.kernels was imported; "
+                "unset it (or use backend='dma')"
+            )
         return copy_blocks
 
     def _resolve_crossover(self, configured: int | Mapping[str, int] | None) -> Crossover:
