@@ -30,6 +30,8 @@ from __future__ import annotations
 import collections
 import ctypes
 import itertools
+from collections.abc import Iterator
+from typing import NamedTuple
 
 import numpy as np
 
@@ -60,6 +62,52 @@ def page_runs(
     return cache_addresses[starts], pool_addresses[starts], lengths
 
 
+class PlaneRuns(NamedTuple):
+    """The merged runs of one plane in one job (byte addresses and lengths)."""
+
+    page_bytes: int
+    pages: int  # pages of this plane the job addresses
+    targets: np.ndarray  # int64 destination address of each run
+    sources: np.ndarray  # int64 source address of each run
+    lengths: np.ndarray  # int64 bytes of each run
+
+
+def plane_runs(
+    layout: CacheLayout,
+    pool_address: int,
+    pool_row_bytes: int,
+    pairs: np.ndarray,
+    group_offsets: np.ndarray,
+    direction: int,
+) -> Iterator[PlaneRuns]:
+    """Per plane of every group the job addresses, its pages merged into runs.
+
+    The address arithmetic of the host-driven paths (this module's memmove path, one
+    async copy per run for DMA). ``pairs`` / ``group_offsets`` / ``direction`` as in
+    :func:`copy_pages`; ``pool_address`` is the address of pool row 0 as the copies
+    will see it. Work is numpy over the pairs, once per plane.
+    """
+    assert direction in (TO_POOL, FROM_POOL)
+    store = direction == TO_POOL
+    for group in range(layout.num_groups):
+        lo, hi = int(group_offsets[group]), int(group_offsets[group + 1])
+        if lo == hi:
+            continue
+        blocks = pairs[lo:hi, 0]
+        row_starts = pool_address + pairs[lo:hi, 1] * pool_row_bytes
+        slots = pairs[lo:hi, 2]
+        for index in layout.group_planes[group]:
+            plane = layout.planes[index]
+            page = plane.page_bytes
+            cache = plane.base_address + blocks * plane.block_stride
+            pool = row_starts + plane.pool_offset + slots * page
+            cache_starts, pool_starts, lengths = page_runs(cache, pool, page)
+            if store:
+                yield PlaneRuns(page, hi - lo, pool_starts, cache_starts, lengths)
+            else:
+                yield PlaneRuns(page, hi - lo, cache_starts, pool_starts, lengths)
+
+
 def copy_pages(
     layout: CacheLayout,
     pool_address: int,
@@ -74,32 +122,19 @@ def copy_pages(
     ``group_offsets`` int64 ``[num_groups + 1]``. ``direction`` is ``TO_POOL`` (store)
     or ``FROM_POOL`` (load). Addresses are host addresses (CPU tensors only).
     """
-    assert direction in (TO_POOL, FROM_POOL)
-    store = direction == TO_POOL
     moved = 0
-    for group in range(layout.num_groups):
-        lo, hi = int(group_offsets[group]), int(group_offsets[group + 1])
-        if lo == hi:
-            continue
-        blocks = pairs[lo:hi, 0]
-        row_starts = pool_address + pairs[lo:hi, 1] * pool_row_bytes
-        slots = pairs[lo:hi, 2]
-        for index in layout.group_planes[group]:
-            plane = layout.planes[index]
-            page = plane.page_bytes
-            cache = plane.base_address + blocks * plane.block_stride
-            pool = row_starts + plane.pool_offset + slots * page
-            cache_starts, pool_starts, lengths = page_runs(cache, pool, page)
-            sources, targets = (cache_starts, pool_starts) if store else (pool_starts, cache_starts)
-            # map() over the C function keeps the per-page cost to the call itself.
-            sizes = (
-                itertools.repeat(page, lengths.size)
-                if lengths.size == cache.size  # no merged runs: every copy is one page
-                else lengths.tolist()
-            )
-            collections.deque(map(_memmove, targets.tolist(), sources.tolist(), sizes), maxlen=0)
-            moved += page * (hi - lo)
+    for runs in plane_runs(layout, pool_address, pool_row_bytes, pairs, group_offsets, direction):
+        page, pages, lengths = runs.page_bytes, runs.pages, runs.lengths
+        # map() over the C function keeps the per-page cost to the call itself.
+        sizes = (
+            itertools.repeat(page, lengths.size)
+            if lengths.size == pages  # no merged runs: every copy is one page
+            else lengths.tolist()
+        )
+        targets, sources = runs.targets.tolist(), runs.sources.tolist()
+        collections.deque(map(_memmove, targets, sources, sizes), maxlen=0)
+        moved += page * pages
     return moved
 
 
-__all__ = ["FROM_POOL", "TO_POOL", "copy_pages", "page_runs"]
+__all__ = ["FROM_POOL", "TO_POOL", "PlaneRuns", "copy_pages", "page_runs", "plane_runs"]
