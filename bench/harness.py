@@ -457,7 +457,9 @@ def _run_path(name: str, ws: Workspace, config: Config, base: dict[str, Any]) ->
                 )
                 continue
             launches = runner.launches_per_job(direction)
-            if launches is None:
+            if launches is None and not ws.case.sweep:
+                # One profiler session (a CUPTI start and teardown) per preset row; the
+                # sweep is about bandwidth, and its many cases would pay it each time.
                 launches = count_device_ops(runner, direction, ws.device)
             out.append(
                 Measurement(

@@ -13,6 +13,7 @@ import contextlib
 import ctypes
 import sys
 import types
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -137,3 +138,30 @@ def test_engine_path_counts_dma_jobs_without_the_profiler() -> None:
     runner.engine.cuda = False
     runner.engine.last_job_backend = "torch"
     assert runner.launches_per_job("store") is None
+
+
+def test_profiler_counts_preset_rows_not_sweep_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    profiled: list[tuple[str, str]] = []
+
+    def count(runner: Any, direction: str, device: torch.device) -> int:
+        profiled.append((runner.ws.case.name, direction))
+        return 2
+
+    monkeypatch.setattr(harness, "count_device_ops", count)
+    config = harness.Config(
+        presets=[],
+        sweep=True,
+        directions=["store", "load"],
+        repeats=1,
+        warmup=0,
+        paths=["torch"],
+        quick=True,
+        device=torch.device("cpu"),
+        target_bytes=None,
+    )
+    preset = harness.correctness_case()
+    rows = harness.run_case(preset, config)
+    assert {r.launches for r in rows if r.path == "torch"} == {2}
+    rows = harness.run_case(replace(preset, name="sweep-like", sweep=True), config)
+    assert {r.launches for r in rows if r.path == "torch"} == {None}
+    assert profiled == [(preset.name, "store"), (preset.name, "load")]
