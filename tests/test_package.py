@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
+import re
+import subprocess
+import sys
 
 import pytest
 
@@ -24,3 +28,19 @@ def test_export_is_the_defining_modules_object(name: str) -> None:
 def test_unknown_name_is_an_attribute_error() -> None:
     with pytest.raises(AttributeError, match="has no attribute 'nope'"):
         triton_offload.nope  # noqa: B018
+
+
+def test_info_reports_vllm_without_importing_it() -> None:
+    """Only triton_offload.vllm imports vllm; `info` reads its version from metadata."""
+    code = (
+        "import sys; from triton_offload.cli import main; rc = main(['info']); "
+        "print('vllm imported:', 'vllm' in sys.modules); sys.exit(rc)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "vllm imported: False" in result.stdout
+    try:
+        expected = importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        expected = "not installed"
+    assert re.search(rf"^vllm +{re.escape(expected)}$", result.stdout, re.MULTILINE)
