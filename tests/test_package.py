@@ -1,14 +1,17 @@
-"""The package's public surface: every exported name resolves lazily to its module."""
+"""The package's public surface (lazy exports, the `info` command) and its layering rules."""
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.metadata
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import triton_offload.kernels
 
 import triton_offload
 
@@ -44,3 +47,46 @@ def test_info_reports_vllm_without_importing_it() -> None:
     except importlib.metadata.PackageNotFoundError:
         expected = "not installed"
     assert re.search(rf"^vllm +{re.escape(expected)}$", result.stdout, re.MULTILINE)
+
+
+LIBRARY = Path(triton_offload.__file__).parent
+KERNELS = Path(triton_offload.kernels.__file__).parent
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every absolute module an import statement of ``path`` names (``from a import b``
+    names ``a`` and ``a.b``)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def offenders(folder: Path, banned: str, *, allowed: tuple[str, ...] = ()) -> list[str]:
+    found = []
+    for path in sorted(folder.rglob("*.py")):
+        relative = path.relative_to(folder).as_posix()
+        if relative in allowed:
+            continue
+        hits = [m for m in imported_modules(path) if m == banned or m.startswith(banned + ".")]
+        found += [f"{relative}: {m}" for m in sorted(hits)]
+    return found
+
+
+def test_library_never_imports_triton_language() -> None:
+    """Kernels live in kernels/; the library validates, plans and decides."""
+    assert offenders(LIBRARY, "triton.language") == []
+
+
+def test_kernels_import_nothing_of_the_library() -> None:
+    """Data flows plan -> job spec -> launch tables -> kernel; kernels never see a plan."""
+    assert offenders(KERNELS, "triton_offload") == []
+
+
+def test_only_the_vllm_module_imports_vllm() -> None:
+    assert offenders(LIBRARY, "vllm", allowed=("vllm.py",)) == []
+    assert offenders(KERNELS, "vllm") == []
