@@ -231,7 +231,19 @@ fi
     f="$work/$name.log"
     [ -f "$f" ] || continue
     echo "bench $name: $(ls "$work/$name" 2>/dev/null | tr '\n' ' ')"
-    grep -E '^(FAILED|Traceback|[A-Za-z]*Error)|cut: ' "$f" | head -10 | sed 's/^/  /'
+    [ -f "$work/$name/results.json" ] && timeout 60 "$py" - "$work/$name/results.json" <<'PY'
+import collections, json, sys
+results = json.load(open(sys.argv[1]))
+rows = results["measurements"] + results["correctness"]
+count = collections.Counter(m["status"] for m in rows)
+print("  rows:", ", ".join(f"{n} {s}" for s, n in sorted(count.items())),
+      f"| {len(results['cases'])} cases | {results['wall_s']:.0f} s")
+for m in rows:
+    if m["status"] == "FAILED":
+        print(f"  FAILED {m['path']} {m['case']} {m['direction']}: {m['note'][:200]}")
+PY
+    grep -E '^(FAILED|Traceback)|^[A-Za-z_.]*(Error|Exception)(:|$)|^ +- cut: ' "$f" | head -12 |
+      sed 's/^/  /'
   done
   echo "wall $((SECONDS - start)) s of ${budget} s; exit $status"
 } | tee -a "$summary"
