@@ -16,6 +16,10 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # serving imports torch: loaded only when a run starts
+    from triton_offload.verify.serving import ScenarioResult
 
 __all__ = ["configure_parser", "format_table", "run"]
 
@@ -81,7 +85,7 @@ def _prepare_backend(backend: str) -> str | None:
     return None
 
 
-def format_table(results: Sequence[object]) -> str:
+def format_table(results: Sequence[ScenarioResult]) -> str:
     """The scenario table (one row per ``ScenarioResult``)."""
     header = (
         "scenario",
@@ -97,19 +101,19 @@ def format_table(results: Sequence[object]) -> str:
     )
     rows = [header]
     for r in results:
-        s = r.scenario  # type: ignore[attr-defined]
+        s = r.scenario
         rows.append(
             (
                 s.name,
                 str(s.second_len),
-                str(r.lookup_tokens),  # type: ignore[attr-defined]
-                str(r.loaded_tokens),  # type: ignore[attr-defined]
-                str(r.recomputed_tokens),  # type: ignore[attr-defined]
-                str(r.load_bytes),  # type: ignore[attr-defined]
-                "yes" if r.tokens_equal else "NO",  # type: ignore[attr-defined]
-                "yes" if r.logits_equal else "NO",  # type: ignore[attr-defined]
-                f"{r.max_abs_diff:.3g}",  # type: ignore[attr-defined]
-                "ok" if r.passed else "FAIL",  # type: ignore[attr-defined]
+                str(r.lookup_tokens),
+                str(r.loaded_tokens),
+                str(r.recomputed_tokens),
+                str(r.load_bytes),
+                "yes" if r.tokens_equal else "NO",
+                "yes" if r.logits_equal else "NO",
+                f"{r.max_abs_diff:.3g}",
+                "ok" if r.passed else "FAIL",
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
