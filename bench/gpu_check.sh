@@ -92,7 +92,8 @@ run_dir=$repo
 if command -v nvidia-smi >/dev/null 2>&1; then
   timeout 20 nvidia-smi >"$work/nvidia-smi.txt" 2>&1
   timeout 20 nvidia-smi --format=csv --query-gpu=name,driver_version,memory.total,pcie.link.gen.current,pcie.link.gen.max,pcie.link.width.current,pcie.link.width.max,clocks.max.sm \
-    >>"$work/nvidia-smi.txt" 2>&1
+    >"$work/nvidia-smi.csv" 2>&1
+  sed 's/^/nvidia-smi: /' "$work/nvidia-smi.csv" | tee -a "$summary"
   timeout 20 nvidia-smi topo -m >>"$work/nvidia-smi.txt" 2>&1
 else
   echo "nvidia-smi: not found" >"$work/nvidia-smi.txt"
@@ -104,8 +105,8 @@ print("triton_offload from", triton_offload.__file__)
 print("kernels from", triton_offload.kernels.copy_blocks.__file__)'
 installed=0
 if [ "$dry_run" = 0 ] || [ "${GPU_CHECK_INSTALL:-0}" = 1 ]; then
-  if (cd "$repo" && timeout 120 "$py" -m pip install -q --no-deps --no-build-isolation -e .) \
-    >"$work/install.log" 2>&1 && (cd "$work" && timeout 120 "$py" -c "$import_check") \
+  if (cd "$repo" && timeout 90 "$py" -m pip install -q --no-deps --no-build-isolation -e .) \
+    >"$work/install.log" 2>&1 && (cd "$work" && timeout 60 "$py" -c "$import_check") \
     >>"$work/install.log" 2>&1; then
     installed=1
     log "install: pip install --no-deps --no-build-isolation -e . worked"
@@ -129,7 +130,7 @@ if [ "$installed" = 0 ]; then
   ln -s "$repo/bench" "$shim/triton_offload/bench"
   run_dir=$shim
   export PYTHONPATH="$shim${PYTHONPATH:+:$PYTHONPATH}"
-  if (cd "$work" && timeout 120 "$py" -c "$import_check") >>"$work/install.log" 2>&1; then
+  if (cd "$work" && timeout 60 "$py" -c "$import_check") >>"$work/install.log" 2>&1; then
     log "install: using the shim $shim (PYTHONPATH)"
   else
     log "install: the shim does not import either (see install.log)"
@@ -138,7 +139,7 @@ if [ "$installed" = 0 ]; then
 fi
 
 # --- versions ---------------------------------------------------------------------------
-(cd "$work" && timeout 120 "$py" - >"$work/versions.txt" 2>&1) <<'PY'
+(cd "$work" && timeout 60 "$py" - >"$work/versions.txt" 2>&1) <<'PY'
 import importlib.metadata as md
 import platform
 
@@ -231,7 +232,7 @@ fi
     f="$work/$name.log"
     [ -f "$f" ] || continue
     echo "bench $name: $(ls "$work/$name" 2>/dev/null | tr '\n' ' ')"
-    [ -f "$work/$name/results.json" ] && timeout 60 "$py" - "$work/$name/results.json" <<'PY'
+    [ -f "$work/$name/results.json" ] && timeout 30 "$py" - "$work/$name/results.json" <<'PY'
 import collections, json, sys
 results = json.load(open(sys.argv[1]))
 rows = results["measurements"] + results["correctness"]
