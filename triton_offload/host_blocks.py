@@ -291,7 +291,7 @@ def _reject_duplicates(keys: list[Hashable]) -> None:
         seen.add(key)
 
 
-def _handle_id(handle: object, kind: type) -> int:
+def _handle_id(handle: object, kind: type[StoreHandle] | type[LoadHandle]) -> int:
     if not isinstance(handle, kind):
         raise TypeError(f"expected a {kind.__name__}, got {handle!r}")
-    return handle.handle_id  # type: ignore[attr-defined, no-any-return]
+    return handle.handle_id

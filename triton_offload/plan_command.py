@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from triton_offload.groups import MAMBA_CACHE_MODES, GroupKind, GroupSpec, ParallelSpec
 from triton_offload.plan import OffloadPlan, plan_offload
@@ -63,7 +64,7 @@ def parse_group(text: str) -> GroupSpec:
         raise argparse.ArgumentTypeError(
             f"{text!r}: block size {block_text!r} is not an integer"
         ) from None
-    kwargs: dict[str, object] = {}
+    kwargs: dict[str, Any] = {}
     for option in options:
         key, sep, value = option.partition("=")
         if key == "eagle" and not sep:
@@ -90,7 +91,7 @@ def parse_group(text: str) -> GroupSpec:
                 f"{text!r}: unknown option {option!r} (window=N, mode=M, eagle, name=S)"
             )
     try:
-        return GroupSpec(kind, block_size, **kwargs)  # type: ignore[arg-type]
+        return GroupSpec(kind, block_size, **kwargs)
     except (TypeError, ValueError) as error:
         raise argparse.ArgumentTypeError(f"{text!r}: {error}") from None
 

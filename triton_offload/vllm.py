@@ -40,6 +40,9 @@ from collections.abc import Iterable, Mapping
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
+if TYPE_CHECKING:
+    from triton_offload.engine import Backend
+
 if importlib.util.find_spec("vllm") is None:
     raise ImportError(
         "triton_offload.vllm needs vLLM, which is not installed: "
@@ -187,7 +190,7 @@ class EngineOptions:
     measured when the worker starts.
     """
 
-    backend: str = "auto"
+    backend: Backend = "auto"
     num_programs: int | None = None
     crossover: int | Mapping[str, int] | None = None
 
@@ -539,7 +542,7 @@ def _build_classes() -> dict[str, type]:
                 self.plan,
                 caches,
                 self.num_chunks,
-                backend=options.backend,  # type: ignore[arg-type]
+                backend=options.backend,
                 num_programs=options.num_programs,
                 crossover=options.crossover,
             )

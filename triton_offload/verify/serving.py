@@ -47,6 +47,7 @@ from triton_offload.verify.model import HybridCache, HybridModel, ModelConfig, R
 
 if TYPE_CHECKING:
     from triton_offload import TransferEngine
+    from triton_offload.engine import Backend
 
 __all__ = [
     "INJECTIONS",
@@ -170,7 +171,7 @@ class OffloadServer:
         *,
         dcp: int = 1,
         blocks_per_chunk: int = 1,
-        backend: str = "torch",
+        backend: Backend = "torch",
         max_tokens: int = 512,
         num_host_rows: int = 512,
         inject: str | None = None,
@@ -204,7 +205,7 @@ class OffloadServer:
                 self.cache.rank_caches(rank),
                 num_host_rows,
                 device="cpu",
-                backend=backend,  # type: ignore[arg-type]
+                backend=backend,
             )
             for rank in range(dcp)
         ]
@@ -549,7 +550,7 @@ def run_scenario(server: OffloadServer, scenario: Scenario, max_new_tokens: int)
 def run_scenarios(
     scenarios: Sequence[Scenario],
     *,
-    backend: str = "torch",
+    backend: Backend = "torch",
     inject: str | None = None,
     max_new_tokens: int = 8,
 ) -> list[ScenarioResult]:
