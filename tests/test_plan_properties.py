@@ -187,9 +187,15 @@ def check_hit(
             assert end % tpc == 0, "a Mamba hit ends where a state is stored"
         full_chunks = num_tokens // tpc
         row = present[index]
-        for chunk in needed_chunks(group, end, num_computed):
+        needed = needed_chunks(group, end, num_computed)
+        for chunk in needed:
             assert chunk < full_chunks, (index, chunk, "not a full chunk of the prompt")
             assert chunk < len(row) and row[chunk], (index, chunk, "needed but absent")
+        # The library's answer to "which chunks does this hit read" (what a load moves,
+        # plus the chunk an EAGLE group pops) is the oracle's.
+        lo, top = group.needed_chunks(end)
+        reads = range(max(lo, num_computed // tpc), top + int(group.is_eagle))
+        assert set(reads) == needed, (index, end, (lo, top), sorted(needed))
     return hit
 
 
