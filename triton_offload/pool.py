@@ -56,9 +56,9 @@ class CudaApi:
         With neither, the libcudart torch loaded is found, else ``libcuda.so.1`` is
         opened. (Tests pass stand-in libraries to check the bindings' C signatures.)
         """
-        self._register: Callable[..., int]
-        self._unregister: Callable[..., int]
-        self._device_pointer: Callable[..., int]
+        self._register: Any  # ctypes function pointers: argtypes and restype are set below
+        self._unregister: Any
+        self._device_pointer: Any
         self._clear_error: Callable[[], object] = lambda: None
         if runtime is None and driver is None:
             runtime = self._find_runtime()
