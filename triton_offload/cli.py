@@ -70,7 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    return int(args.handler(args))
+    try:
+        return int(args.handler(args))
+    except BrokenPipeError:
+        # Output piped into `head` and closed early: not an error of the command.
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

@@ -25,15 +25,25 @@ PRESETS: dict[str, tuple[str, tuple[GroupSpec, ...]]] = {
     ),
     "mamba-hybrid": (
         "Qwen3-Next/Nemotron-H-like hybrid: full attention + Mamba state (align mode), "
-        "16-token blocks (the seed geometry; add --dcp 2 for spans 32/16)",
+        "16-token blocks (the seed geometry; add --dcp 2 for spans 32/16; the bench preset "
+        "of this family uses the larger attention blocks vLLM's hybrid allocator picks)",
         (
             GroupSpec("full_attention", 16, name="attention"),
             GroupSpec("mamba", 16, mamba_cache_mode="align", name="mamba"),
         ),
     ),
+    # Same model family and window as `triton-offload bench`'s swa-hybrid preset.
     "swa-hybrid": (
-        "sliding-window hybrid: MLA with 256-token blocks + sliding window of 128 tokens "
-        "with 64-token blocks (DeepSeek-V4-like)",
+        "gpt-oss-like sliding-window hybrid: full attention + sliding window of 128 tokens, "
+        "16-token blocks",
+        (
+            GroupSpec("full_attention", 16, name="full"),
+            GroupSpec("sliding_window", 16, sliding_window=128, name="sliding"),
+        ),
+    ),
+    "mla-swa-hybrid": (
+        "MLA + sliding-window hybrid: MLA with 256-token blocks + sliding window of 128 "
+        "tokens with 64-token blocks (DeepSeek-V4-like)",
         (
             GroupSpec("mla", 256, name="mla"),
             GroupSpec("sliding_window", 64, sliding_window=128, name="swa"),
