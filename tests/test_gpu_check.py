@@ -21,9 +21,10 @@ OUTPUTS = {
     "summary.txt",
     "gpu-tests.xml",
     "gpu-tests.log",
-    "kernel-tests.log",
     "presets-report.md",
     "sweep-report.md",
+    "presets-bandwidth.png",
+    "sweep-bandwidth.png",
     "details.tar.gz",
 }
 
@@ -70,7 +71,7 @@ def test_dry_run_runs_every_step_through_the_shim(tmp_path: Path) -> None:
     for name in ("gpu-tests", "presets", "sweep"):
         assert f"\n{name:<16} rc=0 " in summary, summary
     files = {p.name for p in out.iterdir()}
-    assert len(files) <= 8 and files <= OUTPUTS
+    assert files == OUTPUTS and len(files) <= 8
     suite = ET.parse(out / "gpu-tests.xml").getroot().find("testsuite")
     assert suite is not None
     assert int(suite.get("tests", 0)) > 0 and int(suite.get("skipped", 0)) > 0
@@ -85,7 +86,7 @@ def test_dry_run_runs_every_step_through_the_shim(tmp_path: Path) -> None:
             assert results["config"]["max_seconds"] >= 1
             assert results["measurements"]
             assert all(m["status"] != "FAILED" for m in results["measurements"])
-    assert not any(p.name.startswith("gpu_check.") for p in tmp_path.iterdir())  # cleaned
+    assert not any(p.name.startswith("gpu_check.") for p in tmp_path.iterdir())  # cleaned up
 
 
 @pytest.mark.parametrize("budget", [12])
