@@ -159,3 +159,27 @@ def test_triton_on_cpu_needs_the_interpreter(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(copy_blocks, "_INTERPRETED", False)
     with pytest.raises(ValueError, match="imported before TRITON_INTERPRET=1 was set"):
         TransferEngine(plan, make_caches(), HOST_BLOCKS, backend="triton")
+
+
+@pytest.mark.parametrize(
+    ("crossover", "error", "match"),
+    [
+        ({"store": 4096}, ValueError, r"crossover \{'store': 4096\} needs exactly the keys"),
+        ({"store": 1, "load": 2, "both": 3}, ValueError, "needs exactly the keys"),
+        (True, TypeError, r"crossover\['store'\] must be an int of page bytes, got True"),
+        ({"store": 4096, "load": "64k"}, TypeError, r"crossover\['load'\] .* got '64k'"),
+        (-1, ValueError, r"crossover\['store'\] -1 must be >= 0"),
+    ],
+)
+def test_bad_crossover_is_rejected_on_every_device(crossover: Any, error: type, match: str) -> None:
+    # The setting only matters for "auto" on CUDA, but a typo must not wait for a GPU.
+    with pytest.raises(error, match=match):
+        TransferEngine(two_group_plan(), make_caches(), HOST_BLOCKS, crossover=crossover)
+
+
+def test_a_valid_crossover_is_accepted_on_cpu() -> None:
+    engine = TransferEngine(
+        two_group_plan(), make_caches(), HOST_BLOCKS, crossover={"store": 0, "load": 65536}
+    )
+    assert engine.backend == "torch"
+    engine.shutdown()

@@ -119,6 +119,10 @@ class _StagingRing:
     def __init__(self, limit: int = MAX_STAGING_BUFFERS) -> None:
         self.buffers: list[torch.Tensor] = []
         self.events: list[Any] = []
+        # Submit order of each buffer's last job: the oldest finishes first (FIFO
+        # streams), so that is the one to wait for when every buffer is busy.
+        self.release_order: list[int] = []
+        self.releases = 0
         self.limit = limit
 
     def acquire(self, numel: int) -> tuple[int, torch.Tensor]:
@@ -131,14 +135,17 @@ class _StagingRing:
         if len(self.buffers) < self.limit:
             self.buffers.append(_pinned_int64(numel))
             self.events.append(None)
+            self.release_order.append(0)
             return len(self.buffers) - 1, self.buffers[-1][:numel]
         # All buffers belong to running jobs: wait for the oldest use to finish.
-        index = 0
+        index = min(range(len(self.events)), key=self.release_order.__getitem__)
         self.events[index].synchronize()
         return self.acquire(numel)
 
     def release_after(self, index: int, event: Any) -> None:
         self.events[index] = event
+        self.releases += 1
+        self.release_order[index] = self.releases
 
 
 def _pinned_bytes(numel: int) -> torch.Tensor:
@@ -219,30 +226,16 @@ class DmaCopier:
 
     def copy(self, pairs: np.ndarray, offsets: np.ndarray, direction: int, stream: Any) -> None:
         handle = int(stream.cuda_stream)
-        store = direction == TO_POOL
         count = 0
-        for group in range(self.layout.num_groups):
-            lo, hi = int(offsets[group]), int(offsets[group + 1])
-            if lo == hi:
-                continue
-            blocks = pairs[lo:hi, 0]
-            row_starts = self.pool_address + pairs[lo:hi, 1] * self.row_bytes
-            slots = pairs[lo:hi, 2]
-            for index in self.layout.group_planes[group]:
-                plane = self.layout.planes[index]
-                cache = plane.base_address + blocks * plane.block_stride
-                pool = row_starts + plane.pool_offset + slots * plane.page_bytes
-                cache_starts, pool_starts, lengths = cpu_copy.page_runs(
-                    cache, pool, plane.page_bytes
-                )
-                sources, targets = (
-                    (cache_starts, pool_starts) if store else (pool_starts, cache_starts)
-                )
-                for target, source, length in zip(
-                    targets.tolist(), sources.tolist(), lengths.tolist(), strict=True
-                ):
-                    self.api.memcpy_async(target, source, length, handle)
-                count += lengths.size
+        # Same runs, same addresses as the CPU path: only the copy call differs.
+        for runs in cpu_copy.plane_runs(
+            self.layout, self.pool_address, self.row_bytes, pairs, offsets, direction
+        ):
+            for target, source, length in zip(
+                runs.targets.tolist(), runs.sources.tolist(), runs.lengths.tolist(), strict=True
+            ):
+                self.api.memcpy_async(target, source, length, handle)
+            count += runs.lengths.size
         self.last_copy_count = count
 
 
@@ -365,6 +358,31 @@ def _release(streams: list[Any], pool: HostPool) -> None:
     pool.close()
 
 
+def parse_crossover(configured: int | Mapping[str, int] | None) -> Crossover | None:
+    """A configured DMA/Triton threshold (page bytes), or None to measure it at start-up.
+
+    Checked on every device, so a bad setting fails where it is written, not only on
+    the CUDA machine that would use it.
+    """
+    if configured is None:
+        return None
+    if isinstance(configured, Mapping):
+        if set(configured) != {"store", "load"}:
+            raise ValueError(
+                f"crossover {dict(configured)!r} needs exactly the keys 'store' and 'load'"
+            )
+        values = {TO_POOL: configured["store"], FROM_POOL: configured["load"]}
+    else:
+        values = {TO_POOL: configured, FROM_POOL: configured}
+    for direction, value in values.items():
+        name = f"crossover[{_DIRECTION_NAMES[direction]!r}]"
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{name} must be an int of page bytes, got {value!r}")
+        if value < 0:
+            raise ValueError(f"{name} {value} must be >= 0 page bytes")
+    return Crossover(threshold={direction: int(v) for direction, v in values.items()})
+
+
 class TransferEngine:
     """Stores and loads cache blocks; see the module docstring for the job semantics.
 
@@ -405,6 +423,7 @@ class TransferEngine:
             raise TypeError(f"num_host_blocks must be an int, got {num_host_blocks!r}")
         if num_host_blocks < 1:
             raise ValueError(f"num_host_blocks {num_host_blocks} must be >= 1")
+        configured_crossover = parse_crossover(crossover)
         num_groups = len(plan.groups)
         self.plan = plan
         self.blocks_per_chunk: int = int(plan.blocks_per_chunk)
@@ -495,8 +514,10 @@ class TransferEngine:
             if backend in ("dma", "auto"):
                 self._dma = DmaCopier(self.layout, self._pool.device_address, self.row_bytes)
             if backend == "auto":
-                with torch.cuda.device(self.device):
-                    self.crossover = self._resolve_crossover(crossover)
+                self.crossover = configured_crossover
+                if self.crossover is None:
+                    with torch.cuda.device(self.device):
+                        self.crossover = calibrate(self)
         if self.cuda:
             # The static tables were uploaded on the current stream; jobs run on the
             # transfer streams and may be submitted from any stream.
@@ -531,20 +552,6 @@ class TransferEngine:
                 "unset it (or use backend='dma')"
             )
         return copy_blocks
-
-    def _resolve_crossover(self, configured: int | Mapping[str, int] | None) -> Crossover:
-        if configured is not None:
-            if isinstance(configured, Mapping):
-                unknown = set(configured) - {"store", "load"}
-                if unknown or len(configured) != 2:
-                    raise ValueError(
-                        f"crossover {dict(configured)!r} needs exactly the keys 'store' and 'load'"
-                    )
-                threshold = {TO_POOL: int(configured["store"]), FROM_POOL: int(configured["load"])}
-            else:
-                threshold = {TO_POOL: int(configured), FROM_POOL: int(configured)}
-            return Crossover(threshold=threshold)
-        return calibrate(self)
 
     # --------------------------------------------------------------- job table
 
@@ -794,4 +801,11 @@ class TransferEngine:
         return 0 if self.last_job_table is None else int(self.last_job_table[0].shape[0])
 
 
-__all__ = ["Crossover", "DmaCopier", "TransferEngine", "TransferResult", "calibrate"]
+__all__ = [
+    "Crossover",
+    "DmaCopier",
+    "TransferEngine",
+    "TransferResult",
+    "calibrate",
+    "parse_crossover",
+]
