@@ -35,8 +35,23 @@ def storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage()).clone()
 
 
+@pytest.mark.parametrize("threads", [1, 3], ids=["one-thread", "three-threads"])
 @pytest.mark.parametrize("direction", [cpu_copy.TO_POOL, cpu_copy.FROM_POOL])
-def test_copy_pages_matches_reference(direction: int) -> None:
+def test_copy_pages_matches_reference(
+    direction: int, threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # With thresholds at zero every job takes the threaded path when threads > 1.
+    monkeypatch.setattr(cpu_copy, "PARALLEL_MIN_JOB_BYTES", 0)
+    monkeypatch.setattr(cpu_copy, "PARALLEL_MIN_RUN_BYTES", 0)
+    monkeypatch.setattr(cpu_copy, "copy_threads", lambda: threads)
+    shares: list[int] = []
+    real_memmove_all = cpu_copy._memmove_all
+
+    def counting(targets: list[int], sources: list[int], lengths: list[int]) -> None:
+        shares.append(len(targets))
+        real_memmove_all(targets, sources, lengths)
+
+    monkeypatch.setattr(cpu_copy, "_memmove_all", counting)
     blocks_per_chunk = 4
     results = []
     for path in ("memmove", "reference"):
@@ -67,6 +82,9 @@ def test_copy_pages_matches_reference(direction: int) -> None:
                 layout, pool.data_ptr(), layout.row_bytes, pairs, offsets, direction
             )
             assert moved == 4 * (42 + 37) + 3 * 5
+            # The threaded path hands one interleaved share of the runs to each thread;
+            # the one-thread path copies plane by plane without it.
+            assert len(shares) == (threads if threads > 1 else 0)
         else:
             copy_layout = CopyLayout.build(
                 layout.geometries(),
