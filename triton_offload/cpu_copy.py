@@ -14,8 +14,12 @@ page        large copy   numpy void ``d[i]=s[j]``   same, 512 KiB batches       
 
 Fancy indexing with both sides indexed gathers into a temporary and scatters again
 (two passes over the bytes); ``torch.index_copy_`` is slower still. A loop of
-``ctypes.memmove`` over addresses computed by numpy makes one pass, costs ~0.5 us
-per page, and is the only option that reaches half of a large copy at 16 KiB.
+``ctypes.memmove`` over addresses computed by numpy makes one pass and costs ~0.5 us
+per page. The table above was taken with the other core busy; on an idle machine one
+large torch ``copy_`` uses both cores (10-13 GB/s) while one memmove stream of random
+pages stays near 4 GB/s, so jobs of long runs are split over threads (below):
+``bench/bench_cpu_copy.py`` then gave 0.33 of the large copy at 16 KiB and 0.5 at
+64 KiB (0.18 at 4 KiB, where the per-call cost dominates).
 Driving it with ``map`` instead of a ``for`` loop trims the per-page interpreter work
 further (as fast or faster at every page size; 64 KiB pages went from 0.64 to 0.87 of
 the large copy in one run).
