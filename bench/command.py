@@ -14,6 +14,8 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from triton_offload.cli_args import int_at_least
+
 DEFAULT_OUT = "bench-results"
 
 # Names are listed here (not imported from the harness) so that building the CLI's
@@ -53,30 +55,6 @@ def _choices(kind: str, allowed: Sequence[str]) -> Callable[[str], list[str]]:
     return parse
 
 
-def _positive(kind: str) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{kind} {text!r} is not an integer") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{kind} {value} must be >= 1")
-        return value
-
-    parse.__name__ = kind
-    return parse
-
-
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"warm-up count {text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"warm-up count {value} must be >= 0")
-    return value
-
-
 def _sizes(text: str) -> list[int]:
     from triton_offload.bench.presets import parse_size
 
@@ -87,7 +65,7 @@ def _sizes(text: str) -> list[int]:
 
 
 def _counts(text: str) -> list[int]:
-    parse = _positive("pages per job")
+    parse = int_at_least(1, "pages per job")
     return [parse(v.strip()) for v in text.split(",") if v.strip()] or _empty(text)
 
 
@@ -133,12 +111,15 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--repeats",
-        type=_positive("repeats"),
+        type=int_at_least(1, "repeats"),
         default=None,
         help="timed jobs per figure, median reported (default 7 on CUDA, 9 on CPU, 3 quick)",
     )
     parser.add_argument(
-        "--warmup", type=_non_negative, default=None, help="untimed jobs first (default 1-2)"
+        "--warmup",
+        type=int_at_least(0, "warm-up count"),
+        default=None,
+        help="untimed jobs first (default 1-2)",
     )
     parser.add_argument(
         "--page-sizes",
@@ -154,7 +135,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-seconds",
-        type=_positive("max seconds"),
+        type=int_at_least(1, "max seconds"),
         default=None,
         help=(
             "wall-clock budget: start no case or path after this many seconds, then write "

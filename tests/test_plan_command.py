@@ -112,10 +112,10 @@ def test_parse_group_options() -> None:
         (["--group", "sliding_window:16:window=x"], "window 'x' is not an integer"),
         (["--group", "mamba:16:mode=fast"], "unknown mamba_cache_mode 'fast'"),
         (["--group", "mamba:16:size=3"], "unknown option 'size=3'"),
-        (["--preset", "dense", "--dcp", "0"], "argument --dcp: 0 is not positive"),
-        (["--preset", "dense", "--tp", "-2"], "argument --tp: -2 is negative"),
+        (["--preset", "dense", "--dcp", "0"], "argument --dcp: DCP size 0 must be >= 1"),
+        (["--preset", "dense", "--tp", "-2"], "argument --tp: TP size -2 must be >= 1"),
         (["--preset", "dense", "--blocks-per-chunk", "1.5"], "'1.5' is not an integer"),
-        (["--preset", "dense", "--prompt-tokens", "-1"], "-1 is negative"),
+        (["--preset", "dense", "--prompt-tokens", "-1"], "prompt tokens -1 must be >= 0"),
         (
             ["--preset", "dense", "--prompt-tokens", "10", "--computed-tokens", "11"],
             "--computed-tokens 11 exceeds --prompt-tokens 10",

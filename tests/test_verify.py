@@ -169,8 +169,10 @@ def test_triton_kernels_under_the_interpreter() -> None:
 
 
 def test_bad_arguments_exit_two(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["verify", "--dcp", "0"]) == 2
-    assert "--dcp must be positive, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["verify", "--dcp", "0"])
+    assert exit_info.value.code == 2
+    assert "argument --dcp: DCP size 0 must be >= 1" in capsys.readouterr().err
 
 
 def test_server_rejects_bad_input() -> None:

@@ -12,6 +12,7 @@ import argparse
 import sys
 from typing import Any
 
+from triton_offload.cli_args import int_at_least
 from triton_offload.groups import MAMBA_CACHE_MODES, GroupKind, GroupSpec, ParallelSpec
 from triton_offload.plan import OffloadPlan, plan_offload
 
@@ -106,23 +107,6 @@ def parse_group(text: str) -> GroupSpec:
         raise argparse.ArgumentTypeError(f"{text!r}: {error}") from None
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} is negative")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    value = _non_negative_int(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError("0 is not positive")
-    return value
-
-
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument(
@@ -133,20 +117,30 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     source.add_argument(
         "--group", action="append", type=parse_group, metavar="KIND:BLOCK[:...]", help=_GROUP_HELP
     )
-    parser.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size")
-    parser.add_argument("--dcp", type=_positive_int, default=1, help="decode-context-parallel size")
     parser.add_argument(
-        "--pcp", type=_positive_int, default=1, help="prefill-context-parallel size"
+        "--tp", type=int_at_least(1, "TP size"), default=1, help="tensor-parallel size"
     )
     parser.add_argument(
-        "--blocks-per-chunk", type=_positive_int, default=1, help="GPU blocks per offload chunk"
+        "--dcp", type=int_at_least(1, "DCP size"), default=1, help="decode-context-parallel size"
     )
     parser.add_argument(
-        "--prompt-tokens", type=_non_negative_int, default=1024, help="sample prompt length"
+        "--pcp", type=int_at_least(1, "PCP size"), default=1, help="prefill-context-parallel size"
+    )
+    parser.add_argument(
+        "--blocks-per-chunk",
+        type=int_at_least(1, "blocks per chunk"),
+        default=1,
+        help="GPU blocks per offload chunk",
+    )
+    parser.add_argument(
+        "--prompt-tokens",
+        type=int_at_least(0, "prompt tokens"),
+        default=1024,
+        help="sample prompt length",
     )
     parser.add_argument(
         "--computed-tokens",
-        type=_non_negative_int,
+        type=int_at_least(0, "computed tokens"),
         default=0,
         help="tokens of the prompt already on the GPU for the sample lookup",
     )

@@ -18,6 +18,8 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from triton_offload.cli_args import int_at_least
+
 if TYPE_CHECKING:  # serving imports torch: loaded only when a run starts
     from triton_offload.verify.serving import ScenarioResult
 
@@ -37,11 +39,15 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "(attention + Mamba), mamba (Mamba only); default: all",
     )
     parser.add_argument(
-        "--dcp", type=int, default=None, metavar="N", help="DCP size (default: 1 and 2)"
+        "--dcp",
+        type=int_at_least(1, "DCP size"),
+        default=None,
+        metavar="N",
+        help="DCP size (default: 1 and 2)",
     )
     parser.add_argument(
         "--blocks-per-chunk",
-        type=int,
+        type=int_at_least(1, "blocks per chunk"),
         default=None,
         metavar="N",
         help="GPU blocks per offloaded chunk (default: 1 and 2)",
@@ -54,7 +60,11 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "TRITON_INTERPRET=1 on CPU, set here when CUDA is absent)",
     )
     parser.add_argument(
-        "--max-new-tokens", type=int, default=8, metavar="N", help="tokens decoded per request"
+        "--max-new-tokens",
+        type=int_at_least(1, "new tokens"),
+        default=8,
+        metavar="N",
+        help="tokens decoded per request",
     )
     parser.add_argument(
         "--inject",
@@ -127,14 +137,6 @@ def format_table(results: Sequence[ScenarioResult]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    for name in ("dcp", "blocks_per_chunk", "max_new_tokens"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            print(
-                f"error: --{name.replace('_', '-')} must be positive, got {value}",
-                file=sys.stderr,
-            )
-            return 2
     problem = _prepare_backend(args.backend)
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)
