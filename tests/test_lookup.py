@@ -84,7 +84,9 @@ def test_sliding_window_example_lookup() -> None:
 
 def test_dcp_pcp_lookup_matches_dcp_only() -> None:
     dcp = seed_plan()
-    both = plan_offload(list(s.spec for s in dcp.groups), ParallelSpec(tp_size=2, dcp_size=2, pcp_size=2))
+    both = plan_offload(
+        list(s.spec for s in dcp.groups), ParallelSpec(tp_size=2, dcp_size=2, pcp_size=2)
+    )
     present = [bits(2, [0, 1]), bits(4, [1, 3])]
     assert both.lookup(64, 0, present) == dcp.lookup(64, 0, present) == 32
 

@@ -118,7 +118,9 @@ def check_output_dir(flag: str, path: Path, files: Iterable[str]) -> None:
     for name in files:
         target = path / name
         if target.is_dir():
-            raise UsageError(f"{flag} {path}: {target} is a folder, a result file goes there")
+            raise UsageError(
+                f"{flag} {path}: {name} in it is a folder, but the run writes a file there"
+            )
     try:
         path.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path, prefix=".write-check-"):
