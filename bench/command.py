@@ -20,7 +20,7 @@ from triton_offload.presets import PRESETS, preset_names
 DEFAULT_OUT = "bench-results"
 #: What a run writes into ``--out`` (the report module's names; listed here so that
 #: checking the folder before the run imports no torch).
-OUTPUT_FILES = ("results.json", "report.md", "bandwidth.png")
+OUTPUT_FILES = ("results.json", "report.md", "bandwidth.png", "sweep.png")
 
 # Names come from the package's torch-free preset table (not from the harness) so that
 # building the CLI's parser imports no torch: `triton-offload --help` stays instant.
@@ -84,7 +84,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "--out",
         type=Path,
         default=Path(DEFAULT_OUT),
-        help=f"output folder for results.json, report.md and the plot (default: {DEFAULT_OUT})",
+        help="output folder for results.json, report.md and the plots bandwidth.png (and "
+        f"sweep.png with --sweep); created if missing (default: {DEFAULT_OUT})",
     )
     parser.add_argument(
         "--quick", action="store_true", help="small cases and few repeats (CI smoke run)"

@@ -52,7 +52,12 @@ def test_bad_arguments_exit_2_naming_the_value(
 
 
 def test_output_file_names_are_the_reports() -> None:
-    assert command.OUTPUT_FILES == (report.RESULTS_JSON, report.REPORT_MD, report.PLOT_PNG)
+    assert command.OUTPUT_FILES == (
+        report.RESULTS_JSON,
+        report.REPORT_MD,
+        report.PLOT_PNG,
+        report.SWEEP_PNG,
+    )
 
 
 def _no_measuring(*_: object, **__: object) -> None:
@@ -129,7 +134,7 @@ def test_quick_run_writes_table_json_report_and_plot(
     printed = capsys.readouterr().out
     assert code == 0, printed
     assert "per-page-copy" in printed and "Summary" in printed
-    for name in ("results.json", "report.md", "bandwidth.png"):
+    for name in ("results.json", "report.md", "bandwidth.png", "sweep.png"):
         assert (out / name).stat().st_size > 0
     payload = json.loads((out / "results.json").read_text())
     env = payload["environment"]
@@ -140,6 +145,10 @@ def test_quick_run_writes_table_json_report_and_plot(
     assert all(m["status"] != "FAILED" for m in payload["measurements"])
     timed = [m for m in payload["measurements"] if m["status"] == "ok"]
     assert {m["path"] for m in timed} >= {"torch", "ceiling", "per-page-copy"}
+    for m in timed:  # every figure comes with its spread and the jobs actually timed
+        assert m["gbps_min"] <= m["gbps"] <= m["gbps_max"]
+        # --quick: 3 repeats per path; the ceiling 3 x 3 in each of its two passes
+        assert m["repeats"] == (18 if m["path"] == "ceiling" else 3), m
     if not env["cuda_available"]:
         # interpreted Triton paths: correctness only, never a GB/s figure
         assert not any(m["path"] in ("triton", "flat-triton") for m in timed)
