@@ -66,7 +66,7 @@ NARROW_BYTES = 1024
 NUM_WARPS = 4
 
 # Bytes that must be in flight to keep PCIe Gen5 x16 busy: ~55 GB/s x ~2 us host-read
-# round trip ~= 110 KB (DESIGN.md §5 quotes ~100 KB). Each program keeps one item (one
+# round trip ~= 110 KB (the usual estimate is ~100 KB). Each program keeps one item (one
 # tile, at most TILE_BYTES) in flight and spends part of every item on table loads and
 # the store, so we ask for twice that: with full 8 KiB tiles, 256 KiB / 8 KiB = 32
 # programs; with smaller pages (mean tile of 2 KiB: 128 programs) more, up to the SM

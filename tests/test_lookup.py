@@ -1,4 +1,4 @@
-"""OffloadPlan.lookup and the presence scans behind it (DESIGN.md §2 load side)."""
+"""OffloadPlan.lookup and the presence scans behind it (the load side)."""
 
 from __future__ import annotations
 

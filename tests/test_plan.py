@@ -1,4 +1,4 @@
-"""plan_offload: spans, windows, alignment and store reachability (DESIGN.md §2 examples)."""
+"""plan_offload: spans, windows, alignment and store reachability (hand-computed examples)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ MAMBA16_ALIGN = GroupSpec("mamba", 16, mamba_cache_mode="align")
 
 
 def seed_plan(**parallel: int) -> OffloadPlan:
-    """The seeds' geometry: full attention block 16 + Mamba block 16 (align)."""
+    """The DCP/Mamba span geometry: full attention block 16 + Mamba block 16 (align)."""
     return plan_offload([FULL16, MAMBA16_ALIGN], ParallelSpec(**parallel))
 
 

@@ -5,8 +5,8 @@ definitions, not from the planner's code:
 
 - unbounded groups (full attention, MLA): every token before the hit end;
 - sliding window ``W``: tokens ``[end - W + 1, end)``; chunked local attention of
-  ``C``: back to the start of the local chunk holding ``end``; plus, as DESIGN.md
-  §2 states it, the last ``w`` chunks before the hit end;
+  ``C``: back to the start of the local chunk holding ``end``; plus, as the
+  planner's window rule states it, the last ``w`` chunks before the hit end;
 - Mamba: the hit ends on a chunk boundary and the chunk ending there is needed;
 - EAGLE groups: also the chunk after the hit end (queried, then popped).
 

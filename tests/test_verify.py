@@ -39,7 +39,7 @@ def test_full_matrix_is_bitwise_equal(matrix: dict[str, ScenarioResult]) -> None
 
 
 def test_loaded_tokens_are_the_planners(matrix: dict[str, ScenarioResult]) -> None:
-    # Hand-computed from DESIGN.md §2 (block 16): spans 32/16 at DCP 2, Mamba round-down.
+    # Hand-computed (block 16): spans 32/16 at DCP 2, Mamba hits rounded down to its chunk.
     expected = {
         # the worked example: 64 tokens, attention chunks [0, 1], Mamba [1, 3] -> 32
         "mamba-hybrid-tiny/dcp2/bpc1/boundary": 32,
@@ -156,7 +156,7 @@ def test_each_injected_bug_fails_verify_by_name(
 
 
 def test_no_round_down_claims_the_seed_hit() -> None:
-    # Seed #44599: a 32-token Mamba prompt with chunks [0, 1] stored claimed 31 tokens.
+    # vLLM before PR #44599: a 32-token Mamba prompt with chunks [0, 1] stored claimed 31.
     results = _by_name(
         run_scenarios(build_scenarios(["mamba-tiny"], [1], [1]), inject="no-mamba-round-down")
     )
