@@ -382,6 +382,8 @@ BASELINE_COLORS = {
     "batched-dma": "#17becf",
     "vllm-swap-blocks": "#e377c2",
 }
+#: Marker shape of each preset in the preset plot, in the order the presets ran.
+PRESET_MARKERS = ("o", "s", "D", "^", "v", "P", "X", "h", "*", "<", ">")
 #: Paths of one preset are drawn this many octaves apart around its page size, so that
 #: equal figures do not hide each other (the horizontal bar shows the true page range).
 DODGE_OCTAVES = 0.07
@@ -403,16 +405,24 @@ def _legend_label(name: str, role: str) -> str:
     return name
 
 
-def _legend_handles(rows: Sequence[Measurement]) -> tuple[list[Any], list[str]]:
-    """Legend entries grouped under 'this project' and 'baselines' headers."""
+def _legend_handles(
+    rows: Sequence[Measurement], shapes: dict[str, str] | None = None
+) -> tuple[list[Any], list[str]]:
+    """Legend entries grouped under 'this project' and 'baselines' headers (and, with
+    ``shapes``, one entry per preset showing its marker)."""
     from matplotlib.lines import Line2D
 
     roles = {m.path: m.role for m in rows}
     handles: list[Any] = []
     labels: list[str] = []
+    # With preset shapes the marker says the preset, so a path's entry is its colour
+    # alone (solid: this project, dashed: a baseline); in the sweep plot it is the line.
+    filled, hollow = (
+        ("filled markers", "hollow markers") if shapes else ("filled, solid", "hollow, dashed")
+    )
     for role, header in (
-        ("project", "this project (filled, solid):"),
-        ("baseline", "baselines, copy paths in use today (hollow, dashed):"),
+        ("project", f"this project ({filled}):"),
+        ("baseline", f"baselines, copy paths in use today ({hollow}):"),
         ("ceiling", "reference:"),
     ):
         names = [n for n in dict.fromkeys(m.path for m in rows) if roles[n] == role]
@@ -422,6 +432,14 @@ def _legend_handles(rows: Sequence[Measurement]) -> tuple[list[Any], list[str]]:
         labels.append(header)
         for name in names:
             style = _style(name, role)
+            if shapes:
+                handles.append(
+                    Line2D(
+                        [], [], color=style["color"], linestyle=style["linestyle"], linewidth=2.5
+                    )
+                )
+                labels.append(_legend_label(name, role))
+                continue
             handles.append(
                 Line2D(
                     [],
@@ -435,6 +453,14 @@ def _legend_handles(rows: Sequence[Measurement]) -> tuple[list[Any], list[str]]:
                 )
             )
             labels.append(_legend_label(name, role))
+    if shapes:
+        handles.append(Line2D([], [], linestyle="none", marker=None))
+        labels.append("presets (marker shape):")
+        for case, marker in shapes.items():
+            handles.append(
+                Line2D([], [], linestyle="none", marker=marker, color="#444444", markersize=6)
+            )
+            labels.append(case)
     return handles, labels
 
 
@@ -543,6 +569,9 @@ def preset_figure(results: Results) -> Any:
     def place(m: Measurement) -> tuple[float, int, int]:
         return pages.get(m.case, (float(m.page_bytes), m.page_bytes, m.page_bytes))
 
+    # The preset is also the marker's shape: points of presets with close page sizes
+    # (16 and 18 KiB) stand side by side, and the shape tells them apart.
+    shapes = {case: PRESET_MARKERS[i % len(PRESET_MARKERS)] for i, case in enumerate(cases)}
     lows = [place(m)[1] for m in all_rows] or [4096]
     highs = [place(m)[2] for m in all_rows] or [1 << 20]
     top = max((m.gbps_max or m.gbps or 0.0 for m in all_rows), default=1.0)
@@ -570,19 +599,20 @@ def preset_figure(results: Results) -> Any:
                 x = mean * shift
                 err_low = (m.gbps - m.gbps_min) if m.gbps_min is not None else 0.0
                 err_high = (m.gbps_max - m.gbps) if m.gbps_max is not None else 0.0
-                axis.errorbar(
+                drawn = axis.errorbar(
                     [x],
                     [m.gbps],
                     yerr=[[max(err_low, 0.0)], [max(err_high, 0.0)]],
-                    fmt=style["marker"],
+                    fmt=shapes[m.case],
                     color=style["color"],
-                    markersize=12 if m.role == "ceiling" else 6,
+                    markersize=7 if m.role == "ceiling" else 6,
                     markerfacecolor=style["color"] if style["filled"] else "white",
-                    markeredgewidth=2 if m.role == "ceiling" else 1.2,
+                    markeredgewidth=1.5 if style["filled"] else 1.3,
                     elinewidth=0.8,
                     capsize=0,
                     zorder=3 if m.role == "project" else 2,
                 )
+                drawn.lines[0].set_gid(f"{m.case}|{m.path}")
         _set_page_ticks(axis, min(lows) / 2, max(highs) * 2)
         axis.set_title(
             f"{direction} ({'device -> pool' if direction == 'store' else 'pool -> device'})",
@@ -593,7 +623,7 @@ def preset_figure(results: Results) -> Any:
         )
         axis.set_ylabel("GB/s (1e9 bytes/s): median, whisker: slowest to fastest job")
         axis.grid(True, which="major", alpha=0.3)
-    handles, labels = _legend_handles(all_rows)
+    handles, labels = _legend_handles(all_rows, shapes)
     if handles:
         fig.legend(handles, labels, loc="center right", fontsize=8, frameon=False)
     legend_share = 3.4 / (6.2 * len(directions) + 3.4)

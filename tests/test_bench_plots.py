@@ -138,13 +138,35 @@ def test_legend_sets_this_projects_paths_apart() -> None:
     try:
         (legend,) = fig.legends
         labels = [t.get_text() for t in legend.get_texts()]
-        project = labels.index("this project (filled, solid):")
-        baseline = next(i for i, x in enumerate(labels) if x.startswith("baselines"))
+        project = labels.index("this project (filled markers):")
+        baseline = labels.index("baselines, copy paths in use today (hollow markers):")
+        shapes = labels.index("presets (marker shape):")
         assert labels[project + 1 : baseline] == ["triton", "dma", "auto"]
-        assert set(labels[baseline + 1 :]) >= {"per-page-copy", "vllm-swap-blocks"}
-        handles = legend.legend_handles
-        filled = {lab: h.get_markerfacecolor() for lab, h in zip(labels, handles, strict=True)}
-        assert filled["triton"] != "white" and filled["per-page-copy"] == "white"
+        assert set(labels[baseline + 1 : shapes]) >= {"per-page-copy", "vllm-swap-blocks"}
+        assert labels[shapes + 1 :] == list(presets.PRESETS)
+        # in the panels: project points filled, baseline points hollow
+        for line in fig.axes[0].lines:
+            if line.get_gid():
+                _, path = line.get_gid().split("|")
+                hollow = line.get_markerfacecolor() == "white"
+                assert hollow == (role_of(path) == "baseline"), line.get_gid()
+    finally:
+        plt.close(fig)
+
+
+def test_every_point_is_named_by_its_presets_shape() -> None:
+    fig = report.preset_figure(_results(sweep=False, cuda=True))
+    try:
+        (legend,) = fig.legends
+        by_label = dict(
+            zip([t.get_text() for t in legend.get_texts()], legend.legend_handles, strict=True)
+        )
+        points = [line for line in fig.axes[0].lines if line.get_gid()]
+        assert len(points) == len(presets.PRESETS) * (len(GPU_PATHS) + 1)
+        for line in points:
+            case = line.get_gid().split("|")[0]
+            assert line.get_marker() == by_label[case].get_marker(), line.get_gid()
+        assert len({by_label[c].get_marker() for c in presets.PRESETS}) == len(presets.PRESETS)
     finally:
         plt.close(fig)
 
