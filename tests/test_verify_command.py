@@ -89,3 +89,18 @@ def test_needed_bytes_counts_caches_and_pools_by_hand() -> None:
 def test_the_default_run_is_within_the_bound() -> None:
     scenarios = serving.build_scenarios(list(serving.PRESETS), [1, 2], [1, 2])
     assert max(max(s.first_len, s.second_len) for s in scenarios) + 8 <= MAX_REQUEST_TOKENS
+
+
+def test_triton_backend_after_a_compiled_kernel_import_is_one_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+    import types
+
+    monkeypatch.setattr(serving, "run_scenarios", _no_run)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setitem(
+        sys.modules, "triton_offload.kernels.copy_blocks", types.ModuleType("stand-in")
+    )
+    err = refused(capsys, "--backend", "triton", "--preset", "mamba-tiny")
+    assert err.startswith("triton-offload verify: error: --backend triton: the kernels need")

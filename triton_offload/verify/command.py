@@ -97,7 +97,7 @@ def _prepare_backend(backend: str) -> str | None:
         return None
     if "triton_offload.kernels.copy_blocks" in sys.modules:
         return (
-            "backend 'triton' needs TRITON_INTERPRET=1 (the verification model runs on the "
+            "the kernels need TRITON_INTERPRET=1 (the verification model runs on the "
             "CPU), but the kernels were already imported without it; set TRITON_INTERPRET=1 "
             "in the environment"
         )
@@ -209,8 +209,7 @@ def format_table(results: Sequence[ScenarioResult]) -> str:
 def run(args: argparse.Namespace) -> int:
     problem = _prepare_backend(args.backend)
     if problem is not None:
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
+        raise UsageError(f"--backend {args.backend}: {problem}")
 
     from triton_offload.verify.serving import PRESETS as LAYERS
     from triton_offload.verify.serving import build_scenarios, run_scenarios
