@@ -14,13 +14,17 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from triton_offload.cli_args import int_at_least
+from triton_offload.cli_args import check_output_dir, int_at_least
+from triton_offload.presets import PRESETS, preset_names
 
 DEFAULT_OUT = "bench-results"
+#: What a run writes into ``--out`` (the report module's names; listed here so that
+#: checking the folder before the run imports no torch).
+OUTPUT_FILES = ("results.json", "report.md", "bandwidth.png", "sweep.png")
 
-# Names are listed here (not imported from the harness) so that building the CLI's
-# parser imports no torch: `triton-offload --help` stays instant.
-PRESET_NAMES = ("llama3.1-8b-tp1", "llama3.1-8b-tp4", "deepseek-mla", "mamba-hybrid", "swa-hybrid")
+# Names come from the package's torch-free preset table (not from the harness) so that
+# building the CLI's parser imports no torch: `triton-offload --help` stays instant.
+PRESET_NAMES = tuple(preset_names("bench"))
 DIRECTION_NAMES = ("store", "load")
 PATH_NAMES = (
     "triton",
@@ -46,8 +50,10 @@ def _choices(kind: str, allowed: Sequence[str]) -> Callable[[str], list[str]]:
             raise argparse.ArgumentTypeError(f"empty {kind} list {text!r}")
         for value in values:
             if value not in allowed:
+                other = PRESETS.get(value) if kind == "preset" else None
+                where = f" (a preset of {', '.join(other.commands)} only)" if other else ""
                 raise argparse.ArgumentTypeError(
-                    f"unknown {kind} {value!r}; choose from {', '.join(allowed)} (or 'all')"
+                    f"unknown {kind} {value!r}{where}; choose from {', '.join(allowed)} (or 'all')"
                 )
         return list(dict.fromkeys(values))
 
@@ -78,7 +84,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "--out",
         type=Path,
         default=Path(DEFAULT_OUT),
-        help=f"output folder for results.json, report.md and the plot (default: {DEFAULT_OUT})",
+        help="output folder for results.json, report.md and the plots bandwidth.png (and "
+        f"sweep.png with --sweep); created if missing (default: {DEFAULT_OUT})",
     )
     parser.add_argument(
         "--quick", action="store_true", help="small cases and few repeats (CI smoke run)"
@@ -92,7 +99,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "--presets",
         type=_choices("preset", PRESET_NAMES),
         default=list(PRESET_NAMES),
-        help=f"comma-separated presets (default all): {', '.join(PRESET_NAMES)}",
+        help="comma-separated model presets (default all; the same names as plan): "
+        + "; ".join(f"{name}: {PRESETS[name].description}" for name in PRESET_NAMES),
     )
     parser.add_argument(
         "--directions",
@@ -146,6 +154,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Before anything is measured: a run that cannot write its results wasted minutes.
+    check_output_dir("--out", args.out, OUTPUT_FILES)
     import torch
 
     cuda = torch.cuda.is_available()
@@ -200,4 +210,4 @@ def run(args: argparse.Namespace) -> int:
     return 1 if any(m.role == "project" for m in failed) else 0
 
 
-__all__ = ["DEFAULT_OUT", "configure_parser", "run"]
+__all__ = ["DEFAULT_OUT", "OUTPUT_FILES", "PRESET_NAMES", "configure_parser", "run"]

@@ -199,13 +199,15 @@ fi
 bench() {  # bench NAME CAP ARGS...: --max-seconds leaves 40 s to write the results
   local name=$1 cap=$2
   shift 2
-  local left limit
+  local left limit plot
   left=$(remaining)
   limit=$((left - 10 < cap ? left - 10 : cap))
   step "$name" "$cap" "$work/$name.log" "$py" -m triton_offload bench --no-progress \
     --out "$work/$name" --max-seconds $((limit - 40 > 1 ? limit - 40 : 1)) "$@"
   cp "$work/$name/report.md" "$out/$name-report.md" 2>/dev/null
-  cp "$work/$name/bandwidth.png" "$out/$name-bandwidth.png" 2>/dev/null
+  # a sweep run's own plot is sweep.png (its preset plot stays in details.tar.gz)
+  if [ -f "$work/$name/sweep.png" ]; then plot=sweep.png; else plot=bandwidth.png; fi
+  cp "$work/$name/$plot" "$out/$name-bandwidth.png" 2>/dev/null
   pack
 }
 bench presets "$preset_cap" "${preset_args[@]}"

@@ -12,12 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from triton_offload.bench.harness import HostCost, Measurement, Results
-from triton_offload.bench.presets import size_label
+from triton_offload.bench.harness import CUT_NOTE, HostCost, Measurement, Results
 
 RESULTS_JSON = "results.json"
 REPORT_MD = "report.md"
 PLOT_PNG = "bandwidth.png"
+SWEEP_PNG = "sweep.png"
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class Verdict:
             if self.best_project.pct_ceiling is not None and self.ceiling is not None:
                 text += (
                     f", {self.best_project.pct_ceiling:.0f}% of the ceiling "
-                    f"({_gb(self.ceiling.gbps)})"
+                    f"({_gb(self.ceiling.gbps)}{_ceiling_range(self.ceiling)})"
                 )
             parts.append(text)
         elif self.best_baseline is not None:
@@ -66,6 +66,34 @@ class Verdict:
 
 def _gb(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f} GB/s"
+
+
+def _ceiling_range(ceiling: Measurement) -> str:
+    """'; its jobs ranged 2.27-8.49' when the ceiling's jobs varied, else ''."""
+    if ceiling.gbps_min is None or ceiling.gbps_max is None:
+        return ""
+    return f"; its {ceiling.repeats} jobs ranged {ceiling.gbps_min:.2f}-{ceiling.gbps_max:.2f}"
+
+
+#: What each status of a row means (printed in report.md and in the terminal).
+STATUS_MEANINGS: dict[str, str] = {
+    "ok": "verified byte-exact first (one store and one load into poisoned destinations: "
+    "source unchanged, addressed bytes equal, every other byte unchanged), then timed; "
+    "only these rows have GB/s",
+    "verified": "byte-exact under the Triton interpreter (no CUDA here): correctness only, no GB/s",
+    "cut": "not started: the run's wall-clock budget (--max-seconds) ran out first",
+    "skipped": "left out by design, the note says why (e.g. per-page copies of over 20,000 "
+    "pages per job)",
+    "unavailable": "cannot run on this machine (needs CUDA, or a baseline's optional API is "
+    "missing); not a failure",
+    "FAILED": "not byte-exact, or it crashed; the note says where. A FAILED path of this "
+    "project makes `triton-offload bench` exit with status 1",
+}
+
+
+def status_of(m: Measurement) -> str:
+    """The row's status as reported: ``cut`` for a path the budget left out."""
+    return "cut" if m.status == "skipped" and m.note == CUT_NOTE else m.status
 
 
 def verdicts(measurements: Sequence[Measurement]) -> list[Verdict]:
@@ -107,14 +135,22 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _spread(m: Measurement) -> str:
+    if m.gbps_min is None or m.gbps_max is None:
+        return "-"
+    return f"{m.gbps_min:.2f}-{m.gbps_max:.2f}"
+
+
 def _row_cells(m: Measurement) -> list[str]:
     return [
         m.case,
         m.direction,
         m.path,
         m.role,
-        m.status,
+        status_of(m),
         _fmt(m.gbps, ".2f"),
+        _spread(m),
+        str(m.repeats) if m.gbps is not None else "-",
         _fmt(m.pct_ceiling, ".0f"),
         _fmt(None if m.device_s is None else m.device_s * 1e3, ".3f"),
         _fmt(None if m.host_s is None else m.host_s * 1e6, ".0f"),
@@ -130,6 +166,8 @@ MEASUREMENT_HEADER = [
     "role",
     "status",
     "GB/s",
+    "min-max",
+    "jobs",
     "% ceil",
     "ms/job",
     "host us/job",
@@ -194,6 +232,10 @@ def terminal_report(results: Results) -> str:
             "Triton kernels ran only as an interpreted correctness pass."
         )
     sections.append(text_table(MEASUREMENT_HEADER, [_row_cells(m) for m in results.measurements]))
+    sections.append(
+        "GB/s: median of `jobs` timed jobs; min-max: the slowest and fastest job.\n"
+        + "\n".join(f"  {k}: {v}" for k, v in STATUS_MEANINGS.items())
+    )
     sections.append("Summary (same-run numbers):")
     sections.extend("  " + v.sentence().replace("**", "") for v in verdicts(results.measurements))
     if results.host_costs:
@@ -217,7 +259,7 @@ def terminal_report(results: Results) -> str:
     return "\n\n".join(sections)
 
 
-def markdown_report(results: Results, plot_name: str | None) -> str:
+def markdown_report(results: Results, plots: Sequence[str] = ()) -> str:
     env = results.environment
     cfg = results.config
     out = [
@@ -225,22 +267,62 @@ def markdown_report(results: Results, plot_name: str | None) -> str:
         "",
         _environment_line(env) + ".",
         "",
-        f"Repeats per figure: {cfg['repeats']} (median), warm-up {cfg['warmup']}; directions: "
-        f"{', '.join(cfg['directions'])}. GB/s = bytes of the job / median time per job / 1e9. "
+        "GB/s = bytes of the job / time per job / 1e9. Each figure is the median of its "
+        "timed jobs; `min-max` gives the GB/s of the slowest and the fastest of them and "
+        f"`jobs` how many were timed (after {cfg['warmup']} untimed warm-up job(s); "
+        f"--repeats {cfg['repeats']} per path). "
         + (
             "Times are CUDA events around each job on its stream."
             if env.get("cuda_available")
             else "No CUDA: every path is a CPU memory copy timed by wall clock; the Triton "
             "kernels ran only as an interpreted correctness pass (no GB/s claimed)."
         ),
-        "The ceiling is one contiguous copy of the same number of bytes in the same run.",
+        "",
+        "The ceiling is one contiguous copy of the same number of bytes, timed in the same "
+        f"run: {3 * cfg['repeats']} jobs before the other paths of a case and "
+        f"{3 * cfg['repeats']} after; its figure is the faster pass's median, its `min-max` "
+        "covers both passes. A `% ceil` compares a median with that median: read it against "
+        "the ceiling's own range (section *Ceiling spread*).",
+        "",
+        "Statuses: " + "; ".join(f"`{k}`: {v}" for k, v in STATUS_MEANINGS.items()) + ".",
         "",
         "## Who wins",
         "",
     ]
     out += [f"- {v.sentence()}" for v in verdicts(results.measurements)]
-    if plot_name is not None:
-        out += ["", f"![GB/s vs page size]({plot_name})"]
+    captions = {
+        PLOT_PNG: "GB/s of every path on each model preset",
+        SWEEP_PNG: "GB/s vs page size and pages per job (raw sweep)",
+    }
+    for name in plots:
+        out += ["", f"![{captions.get(name, name)}]({name})"]
+    ceilings = [m for m in results.measurements if m.role == "ceiling" and m.gbps is not None]
+    if ceilings:
+        out += [
+            "",
+            "## Ceiling spread",
+            "",
+            "One contiguous copy of each case's bytes; `max/min` is how far its fastest job "
+            "was from its slowest (1.00: steady).",
+            "",
+            markdown_table(
+                ["case", "dir", "median GB/s", "min GB/s", "max GB/s", "max/min", "jobs"],
+                [
+                    [
+                        m.case,
+                        m.direction,
+                        f"{m.gbps:.2f}",
+                        _fmt(m.gbps_min, ".2f"),
+                        _fmt(m.gbps_max, ".2f"),
+                        "-"
+                        if not m.gbps_min or m.gbps_max is None
+                        else f"{m.gbps_max / m.gbps_min:.2f}",
+                        str(m.repeats),
+                    ]
+                    for m in ceilings
+                ],
+            ),
+        ]
     if results.cases:
         out += ["", "## Cases", ""]
         out += [
@@ -290,119 +372,404 @@ def markdown_report(results: Results, plot_name: str | None) -> str:
 
 # -------------------------------------------------------------------------------- plot
 
+#: Colours of this project's paths (saturated, filled markers, solid lines) and of the
+#: baselines (muted, hollow markers, dashed lines); the ceiling is black.
+PROJECT_COLORS = {"triton": "#1f4fd1", "dma": "#d62728", "auto": "#2ca02c", "torch": "#7b2fbe"}
+BASELINE_COLORS = {
+    "per-page-copy": "#8c564b",
+    "index-copy": "#7f7f7f",
+    "flat-triton": "#b8a000",
+    "batched-dma": "#17becf",
+    "vllm-swap-blocks": "#e377c2",
+}
+#: Marker shape of each preset in the preset plot, in the order the presets ran.
+PRESET_MARKERS = ("o", "s", "D", "^", "v", "P", "X", "h", "*", "<", ">")
+#: Paths of one preset are drawn this many octaves apart around its page size, so that
+#: equal figures do not hide each other (the horizontal bar shows the true page range).
+DODGE_OCTAVES = 0.07
 
-def plot(results: Results, path: Path) -> None:
-    """GB/s vs page size (log x), one panel per direction.
 
-    Raw-sweep points are joined into one line per path (per page size, the largest
-    job); model presets are unjoined markers at the page size carrying most of their
-    bytes, labelled with the preset. The ceiling is black: dashed over the sweep, a bar
-    marker per preset.
+def _style(name: str, role: str) -> dict[str, Any]:
+    if role == "ceiling":
+        return {"color": "black", "marker": "_", "filled": True, "linestyle": ":"}
+    if role == "project":
+        color = PROJECT_COLORS.get(name, "#1f4fd1")
+        return {"color": color, "marker": "o", "filled": True, "linestyle": "-"}
+    color = BASELINE_COLORS.get(name, "#555555")
+    return {"color": color, "marker": "s", "filled": False, "linestyle": "--"}
+
+
+def _legend_label(name: str, role: str) -> str:
+    if role == "ceiling":
+        return "ceiling: one contiguous copy of the job's bytes"
+    return name
+
+
+def _legend_handles(
+    rows: Sequence[Measurement], shapes: dict[str, str] | None = None
+) -> tuple[list[Any], list[str]]:
+    """Legend entries grouped under 'this project' and 'baselines' headers (and, with
+    ``shapes``, one entry per preset showing its marker)."""
+    from matplotlib.lines import Line2D
+
+    roles = {m.path: m.role for m in rows}
+    handles: list[Any] = []
+    labels: list[str] = []
+    # With preset shapes the marker says the preset, so a path's entry is its colour
+    # alone (solid: this project, dashed: a baseline); in the sweep plot it is the line.
+    filled, hollow = (
+        ("filled markers", "hollow markers") if shapes else ("filled, solid", "hollow, dashed")
+    )
+    for role, header in (
+        ("project", f"this project ({filled}):"),
+        ("baseline", f"baselines, copy paths in use today ({hollow}):"),
+        ("ceiling", "reference:"),
+    ):
+        names = [n for n in dict.fromkeys(m.path for m in rows) if roles[n] == role]
+        if not names:
+            continue
+        handles.append(Line2D([], [], linestyle="none", marker=None))
+        labels.append(header)
+        for name in names:
+            style = _style(name, role)
+            if shapes:
+                handles.append(
+                    Line2D(
+                        [], [], color=style["color"], linestyle=style["linestyle"], linewidth=2.5
+                    )
+                )
+                labels.append(_legend_label(name, role))
+                continue
+            handles.append(
+                Line2D(
+                    [],
+                    [],
+                    color=style["color"],
+                    linestyle=style["linestyle"],
+                    marker=style["marker"],
+                    markersize=9 if role == "ceiling" else 6,
+                    markerfacecolor=style["color"] if style["filled"] else "white",
+                    markeredgewidth=2 if role == "ceiling" else 1.2,
+                )
+            )
+            labels.append(_legend_label(name, role))
+    if shapes:
+        handles.append(Line2D([], [], linestyle="none", marker=None))
+        labels.append("presets (marker shape):")
+        for case, marker in shapes.items():
+            handles.append(
+                Line2D([], [], linestyle="none", marker=marker, color="#444444", markersize=6)
+            )
+            labels.append(case)
+    return handles, labels
+
+
+def _page_label(size: float) -> str:
+    """``16384 -> '16 KiB'``, ``1.5 MiB`` for sizes that are not whole units."""
+    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if size >= scale:
+            value = size / scale
+            whole = abs(value - round(value)) < 0.05
+            return f"{value:.0f} {unit}" if whole else f"{value:.1f} {unit}"
+    return f"{size:.0f} B"
+
+
+def _set_page_ticks(
+    axis: Any, low: float, high: float, ticks: Sequence[float] | None = None
+) -> None:
+    """Log-2 page axis from ``low`` to ``high``; ticks at ``ticks``, or at powers of 4
+    (2 when the span is short): evenly spaced, whatever the data's page sizes are.
+    Labels that would touch are hidden later by :func:`_thin_tick_labels`."""
+    import math
+
+    axis.set_xscale("log", base=2)
+    axis.set_xlim(low, high)
+    if ticks is None:
+        first, last = math.ceil(math.log2(low)), math.floor(math.log2(high))
+        step = 2 if last - first >= 6 else 1
+        ticks = [2.0**e for e in range(first, last + 1) if e % step == 0]
+    axis.set_xticks(ticks)
+    axis.set_xticklabels([_page_label(t) for t in ticks], fontsize=8)
+    axis.xaxis.set_minor_locator(_null_locator())
+
+
+def _null_locator() -> Any:
+    from matplotlib.ticker import NullLocator
+
+    return NullLocator()
+
+
+def _thin_tick_labels(axis: Any, renderer: Any) -> None:
+    """Hide x tick labels that would overlap the previous visible one."""
+    last = None
+    for label in sorted(axis.get_xticklabels(), key=lambda t: t.get_position()[0]):
+        if not label.get_visible() or not label.get_text():
+            continue
+        box = label.get_window_extent(renderer)
+        if last is not None and box.x0 < last.x1 + 4:
+            label.set_visible(False)
+            continue
+        last = box
+
+
+def _mean_pages(results: Results) -> dict[str, tuple[float, int, int]]:
+    """Per case: byte-weighted mean page size, smallest and largest page (bytes).
+
+    A job of several page sizes (Mamba hybrid: 256 KiB K/V, 48 KiB conv state, 2 MiB
+    SSM state) moves most of its bytes in the large pages; the byte-weighted mean
+    ``sum(bytes_p * p) / sum(bytes_p)`` places it where its bytes are.
+    """
+    out: dict[str, tuple[float, int, int]] = {}
+    for case in results.cases:
+        weight: dict[int, int] = {}
+        for group in case["groups"]:
+            count = group["layers"] * group["blocks_per_job"]
+            for page in group["plane_bytes"]:
+                weight[page] = weight.get(page, 0) + page * count
+        total = sum(weight.values())
+        if total:
+            mean = sum(page * w for page, w in weight.items()) / total
+            out[case["name"]] = (mean, min(weight), max(weight))
+    return out
+
+
+def _preset_rows(results: Results, direction: str) -> list[Measurement]:
+    return [
+        m
+        for m in results.measurements
+        if not m.sweep and m.direction == direction and m.status == "ok" and m.gbps is not None
+    ]
+
+
+def preset_figure(results: Results) -> Any:
+    """GB/s of every path on every model preset, one panel per direction.
+
+    x: the job's byte-weighted mean page size (log scale), a horizontal bar from its
+    smallest to its largest page when the job mixes sizes; each preset is named once
+    at the top of the panel, over a dotted guide line. Paths of one preset sit side by
+    side around its page size (``DODGE_OCTAVES``).
     """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.transforms import blended_transform_factory
 
     directions = list(results.config["directions"])
     fig, axes = plt.subplots(
-        1, len(directions), figsize=(7.5 * len(directions), 5.5), squeeze=False, sharey=True
+        1, len(directions), figsize=(6.2 * len(directions) + 3.4, 5.6), squeeze=False
     )
     device = results.environment.get("gpu") or "CPU only (host memory copies)"
-    fig.suptitle(f"triton-offload bench: bandwidth vs page size, {device}")
-    names = list(dict.fromkeys(m.path for m in results.measurements if m.path != "ceiling"))
-    colors = {name: f"C{i % 10}" for i, name in enumerate(names)}
+    fig.suptitle(f"triton-offload bench: model presets, {device}", fontsize=11)
+    pages = _mean_pages(results)
+    all_rows = [m for d in directions for m in _preset_rows(results, d)]
+    order = list(dict.fromkeys(m.path for m in all_rows))
+    cases = list(dict.fromkeys(m.case for m in all_rows))
+
+    def place(m: Measurement) -> tuple[float, int, int]:
+        return pages.get(m.case, (float(m.page_bytes), m.page_bytes, m.page_bytes))
+
+    # The preset is also the marker's shape: points of presets with close page sizes
+    # (16 and 18 KiB) stand side by side, and the shape tells them apart.
+    shapes = {case: PRESET_MARKERS[i % len(PRESET_MARKERS)] for i, case in enumerate(cases)}
+    lows = [place(m)[1] for m in all_rows] or [4096]
+    highs = [place(m)[2] for m in all_rows] or [1 << 20]
+    top = max((m.gbps_max or m.gbps or 0.0 for m in all_rows), default=1.0)
     for axis, direction in zip(axes[0], directions, strict=True):
-        rows = [
-            m
-            for m in results.measurements
-            if m.direction == direction and m.status == "ok" and m.gbps is not None
-        ]
-        plotted: list[float] = []
-        for name in ["ceiling", *names]:
-            mine = [m for m in rows if m.path == name]
-            sweep = _curve([m for m in mine if m.sweep])
-            preset = [m for m in mine if not m.sweep]
-            plotted += [y for _, y in sweep] + [m.gbps or 0.0 for m in preset]
-            is_ceiling = name == "ceiling"
-            color = "black" if is_ceiling else colors[name]
-            label = "ceiling (one contiguous copy)" if is_ceiling else name
-            if sweep:
+        rows = _preset_rows(results, direction)
+        band = blended_transform_factory(axis.transData, axis.transAxes)
+        for case in cases:
+            mean, low, high = pages.get(case, (0.0, 0, 0))
+            if mean:
+                axis.axvline(mean, color="#bbbbbb", linestyle=":", linewidth=0.8, zorder=0)
+            if high > low:  # a job of several page sizes: its range, once, along the bottom
+                axis.hlines(0.025, low, high, transform=band, color="#666666", linewidth=2.5)
                 axis.plot(
-                    [x for x, _ in sweep],
-                    [y for _, y in sweep],
-                    linestyle="--" if is_ceiling else "-",
-                    marker=None if is_ceiling else "o",
-                    color=color,
-                    linewidth=2 if is_ceiling else 1.5,
-                    label=label,
+                    [low, high], [0.025, 0.025], "|", transform=band, color="#666666",
+                    markersize=8,
+                )  # fmt: skip
+        for index, name in enumerate(order):
+            mine = [m for m in rows if m.path == name]
+            if not mine:
+                continue
+            style = _style(name, mine[0].role)
+            shift = 2.0 ** ((index - (len(order) - 1) / 2) * DODGE_OCTAVES)
+            for m in mine:
+                mean, low, high = place(m)
+                x = mean * shift
+                err_low = (m.gbps - m.gbps_min) if m.gbps_min is not None else 0.0
+                err_high = (m.gbps_max - m.gbps) if m.gbps_max is not None else 0.0
+                drawn = axis.errorbar(
+                    [x],
+                    [m.gbps],
+                    yerr=[[max(err_low, 0.0)], [max(err_high, 0.0)]],
+                    fmt=shapes[m.case],
+                    color=style["color"],
+                    markersize=7 if m.role == "ceiling" else 6,
+                    markerfacecolor=style["color"] if style["filled"] else "white",
+                    markeredgewidth=1.5 if style["filled"] else 1.3,
+                    elinewidth=0.8,
+                    capsize=0,
+                    zorder=3 if m.role == "project" else 2,
                 )
-                label = "_nolegend_"
-            if preset:
-                axis.scatter(
-                    [m.page_bytes for m in preset],
-                    [m.gbps for m in preset],
-                    marker="_" if is_ceiling else "s",
-                    s=300 if is_ceiling else 30,
-                    color=color,
-                    label=label,
-                    zorder=3,
-                )
-            if is_ceiling:
-                for m in preset:
-                    axis.annotate(
-                        m.case,
-                        (m.page_bytes, m.gbps or 0.0),
-                        fontsize=7,
-                        textcoords="offset points",
-                        xytext=(4, 4),
-                    )
-        axis.set_xscale("log", base=2)
-        sizes = sorted({m.page_bytes for m in rows})
-        if sizes:
-            axis.set_xlim(sizes[0] / 1.6, sizes[-1] * 3)
-        axis.set_xticks(sizes)
-        axis.set_xticklabels([size_label(t) for t in sizes], rotation=45, fontsize=8)
+                drawn.lines[0].set_gid(f"{m.case}|{m.path}")
+        _set_page_ticks(axis, min(lows) / 2, max(highs) * 2)
         axis.set_title(
-            f"{direction} ({'device -> pool' if direction == 'store' else 'pool -> device'})"
+            f"{direction} ({'device -> pool' if direction == 'store' else 'pool -> device'})",
+            fontsize=10,
         )
-        axis.set_xlabel("page size (bytes, log scale); squares: model presets")
-        axis.set_ylabel("bandwidth (GB/s = 1e9 bytes/s, median)")
-        top = max(plotted, default=1.0)
-        axis.set_ylim(0, top * 1.2)  # headroom for the preset labels
-        axis.grid(True, which="both", alpha=0.3)
-    handles: dict[str, Any] = {}
-    for axis in axes[0]:
-        for handle, label in zip(*axis.get_legend_handles_labels(), strict=True):
-            handles.setdefault(label, handle)
+        axis.set_xlabel(
+            "page size (log scale): the job's byte-weighted mean; grey bar: its page range"
+        )
+        axis.set_ylabel("GB/s (1e9 bytes/s): median, whisker: slowest to fastest job")
+        axis.grid(True, which="major", alpha=0.3)
+    handles, labels = _legend_handles(all_rows, shapes)
     if handles:
-        fig.legend(list(handles.values()), list(handles), loc="center right", fontsize=8)
-    fig.tight_layout(rect=(0, 0, 0.86, 1))
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+        fig.legend(handles, labels, loc="center right", fontsize=8, frameon=False)
+    legend_share = 3.4 / (6.2 * len(directions) + 3.4)
+    fig.tight_layout(rect=(0, 0, 1 - legend_share, 0.95))
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    levels = 1
+    for axis in axes[0]:
+        _thin_tick_labels(axis, renderer)
+        rows = _label_presets(axis, cases, pages, renderer, blended_transform_factory)
+        levels = max(levels, rows)
+    # Room above the highest whisker for the rows of preset names.
+    for axis in axes[0]:
+        axis.set_ylim(0, top * 1.05 / max(0.3, 1 - 0.065 * levels - 0.03))
+    return fig
 
 
-def _curve(rows: Sequence[Measurement]) -> list[tuple[int, float]]:
-    """Per page size, the point of the largest job."""
-    by_size: dict[int, Measurement] = {}
-    for m in rows:
-        current = by_size.get(m.page_bytes)
-        if current is None or m.job_bytes > current.job_bytes:
-            by_size[m.page_bytes] = m
-    return [(size, by_size[size].gbps or 0.0) for size in sorted(by_size)]
+def _label_presets(
+    axis: Any,
+    cases: Sequence[str],
+    pages: dict[str, tuple[float, int, int]],
+    renderer: Any,
+    blended: Any,
+) -> int:
+    """Name each preset once at the top of ``axis``, on the first row where its label
+    overlaps no other (and stays inside the panel); returns the rows used."""
+    transform = blended(axis.transData, axis.transAxes)
+    frame = axis.get_window_extent(renderer)
+    placed: list[list[Any]] = []
+    for case in sorted((c for c in cases if c in pages), key=lambda c: pages[c][0]):
+        x = pages[case][0]
+        for row in range(len(cases) + 1):
+            y = 0.98 - 0.065 * row
+            text = axis.text(x, y, case, transform=transform, ha="center", va="top", fontsize=8)
+            box = text.get_window_extent(renderer)
+            if box.x0 < frame.x0 + 2:
+                text.set_ha("left")
+            elif box.x1 > frame.x1 - 2:
+                text.set_ha("right")
+            box = text.get_window_extent(renderer)
+            if row == len(placed):
+                placed.append([])
+            if all(not box.overlaps(other) for other in placed[row]):
+                placed[row].append(box)
+                break
+            text.remove()
+    return len(placed)
+
+
+def sweep_figure(results: Results) -> Any | None:
+    """The raw sweep: GB/s vs page size, one panel per (direction, pages per job), one
+    line per path. None when the run had no sweep."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [m for m in results.measurements if m.sweep and m.status == "ok" and m.gbps is not None]
+    if not rows:
+        return None
+    directions = [d for d in results.config["directions"] if any(m.direction == d for m in rows)]
+    counts = sorted({m.job_pages for m in rows})
+    width = 3.3 * len(counts) + 3.4
+    fig, axes = plt.subplots(
+        len(directions), len(counts), figsize=(width, 3.3 * len(directions) + 0.8),
+        squeeze=False, sharey=True,
+    )  # fmt: skip
+    device = results.environment.get("gpu") or "CPU only (host memory copies)"
+    fig.suptitle(f"triton-offload bench: raw sweep (one plane), {device}", fontsize=11)
+    order = list(dict.fromkeys(m.path for m in rows))
+    sizes = sorted({m.page_bytes for m in rows})
+    top = max(m.gbps_max or m.gbps or 0.0 for m in rows)
+    for r, direction in enumerate(directions):
+        for c, count in enumerate(counts):
+            axis = axes[r][c]
+            for name in order:
+                mine = sorted(
+                    (m for m in rows if m.path == name and m.direction == direction
+                     and m.job_pages == count),
+                    key=lambda m: m.page_bytes,
+                )  # fmt: skip
+                if not mine:
+                    continue
+                style = _style(name, mine[0].role)
+                axis.errorbar(
+                    [m.page_bytes for m in mine],
+                    [m.gbps for m in mine],
+                    yerr=[
+                        [max(0.0, (m.gbps or 0.0) - (m.gbps_min or m.gbps or 0.0)) for m in mine],
+                        [max(0.0, (m.gbps_max or m.gbps or 0.0) - (m.gbps or 0.0)) for m in mine],
+                    ],
+                    color=style["color"],
+                    linestyle=style["linestyle"],
+                    marker=style["marker"],
+                    markersize=10 if mine[0].role == "ceiling" else 5,
+                    markerfacecolor=style["color"] if style["filled"] else "white",
+                    linewidth=1.8 if mine[0].role == "project" else 1.2,
+                    elinewidth=0.7,
+                    capsize=0,
+                )
+            _set_page_ticks(axis, sizes[0] / 1.6, sizes[-1] * 1.6, ticks=sizes)
+            axis.set_title(f"{direction}, {count:,} pages per job", fontsize=9)
+            axis.set_ylim(0, top * 1.1)
+            axis.grid(True, which="major", alpha=0.3)
+            if r == len(directions) - 1:
+                axis.set_xlabel("page size (log scale)", fontsize=8)
+            if c == 0:
+                axis.set_ylabel("GB/s: median, whisker: range", fontsize=8)
+    handles, labels = _legend_handles(rows)
+    fig.legend(handles, labels, loc="center right", fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1 - 3.4 / width, 0.94))
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for axis in axes.flat:
+        _thin_tick_labels(axis, renderer)
+    return fig
+
+
+def plot(results: Results, path: Path, sweep_path: Path | None = None) -> list[Path]:
+    """Write the preset plot to ``path`` and, when the run had a sweep, the sweep plot
+    to ``sweep_path``; returns the files written."""
+    import matplotlib.pyplot as plt
+
+    written = []
+    for figure, target in ((preset_figure(results), path), (sweep_figure(results), sweep_path)):
+        if figure is None or target is None:
+            if figure is not None:
+                plt.close(figure)
+            continue
+        figure.savefig(target, dpi=120)
+        plt.close(figure)
+        written.append(target)
+    return written
 
 
 # ------------------------------------------------------------------------------- write
 
 
 def write_all(results: Results, out_dir: Path) -> dict[str, Path]:
-    """Write the plot, results.json and report.md into ``out_dir``; returns their paths."""
+    """Write the plots, results.json and report.md into ``out_dir``; returns their paths
+    (keys ``plot``, ``sweep_plot`` when the run had a sweep, ``json``, ``markdown``)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     written: dict[str, Path] = {}
-    plot_path = out_dir / PLOT_PNG
     try:
-        plot(results, plot_path)
-        written["plot"] = plot_path
+        for target in plot(results, out_dir / PLOT_PNG, out_dir / SWEEP_PNG):
+            written["plot" if target.name == PLOT_PNG else "sweep_plot"] = target
     except ImportError:  # matplotlib comes with the [bench] extra; the numbers do not need it
         results.notes.append("plot skipped: matplotlib is not installed (pip install '.[bench]')")
     payload = results.to_json()
@@ -416,6 +783,8 @@ def write_all(results: Results, out_dir: Path) -> dict[str, Path]:
             "project_vs_best_baseline": v.project_vs_baseline,
             "project_pct_of_ceiling": v.best_project.pct_ceiling if v.best_project else None,
             "ceiling_gbps": v.ceiling.gbps if v.ceiling else None,
+            "ceiling_gbps_min": v.ceiling.gbps_min if v.ceiling else None,
+            "ceiling_gbps_max": v.ceiling.gbps_max if v.ceiling else None,
             "text": v.sentence().replace("**", ""),
         }
         for v in verdicts(results.measurements)
@@ -423,8 +792,8 @@ def write_all(results: Results, out_dir: Path) -> dict[str, Path]:
     written["json"] = out_dir / RESULTS_JSON
     written["json"].write_text(json.dumps(payload, indent=2) + "\n")
     written["markdown"] = out_dir / REPORT_MD
-    plot_name = PLOT_PNG if "plot" in written else None
-    written["markdown"].write_text(markdown_report(results, plot_name))
+    plots = [written[k].name for k in ("plot", "sweep_plot") if k in written]
+    written["markdown"].write_text(markdown_report(results, plots))
     return written
 
 
@@ -432,9 +801,14 @@ __all__ = [
     "PLOT_PNG",
     "REPORT_MD",
     "RESULTS_JSON",
+    "STATUS_MEANINGS",
+    "SWEEP_PNG",
     "Verdict",
     "markdown_report",
     "plot",
+    "preset_figure",
+    "status_of",
+    "sweep_figure",
     "terminal_report",
     "verdicts",
     "write_all",

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from triton_offload.bench import command, paths, presets
+from triton_offload.bench import command, harness, paths, presets, report
 
 from triton_offload.cli import build_parser, main
 
@@ -21,6 +21,14 @@ def test_cli_names_match_the_harness() -> None:
     ("argv", "named"),
     [
         (["--presets", "llama-70b"], "unknown preset 'llama-70b'"),
+        (
+            ["--presets", "mla-swa-hybrid"],
+            "unknown preset 'mla-swa-hybrid' (a preset of plan only); choose from",
+        ),
+        (
+            ["--presets", "mamba-tiny"],
+            "unknown preset 'mamba-tiny' (a preset of plan, verify only)",
+        ),
         (["--presets", "deepseek-mla,nope"], "unknown preset 'nope'"),
         (["--paths", "cuda-graph"], "unknown path 'cuda-graph'"),
         (["--directions", "sideways"], "unknown direction 'sideways'"),
@@ -38,7 +46,58 @@ def test_bad_arguments_exit_2_naming_the_value(
     with pytest.raises(SystemExit) as exit_info:
         build_parser().parse_args(["bench", *argv])
     assert exit_info.value.code == 2
-    assert named in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert named in err
+    assert err.count("\n") == 1, err
+
+
+def test_output_file_names_are_the_reports() -> None:
+    assert command.OUTPUT_FILES == (
+        report.RESULTS_JSON,
+        report.REPORT_MD,
+        report.PLOT_PNG,
+        report.SWEEP_PNG,
+    )
+
+
+def _no_measuring(*_: object, **__: object) -> None:
+    raise AssertionError("measured although --out was refused")
+
+
+@pytest.mark.parametrize("kind", ["existing file", "below a file", "results file is a folder"])
+def test_unusable_out_is_refused_before_measuring(
+    kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(harness, "run", _no_measuring)
+    existing = tmp_path / "results.txt"
+    existing.write_text("keep me")
+    out, message = {
+        "existing file": (existing, "exists and is not a folder"),
+        "below a file": (existing / "sub", "cannot write there (Not a directory)"),
+        "results file is a folder": (tmp_path, "results.json in it is a folder"),
+    }[kind]
+    if kind == "results file is a folder":
+        (tmp_path / "results.json").mkdir()
+    code = main(["bench", "--quick", "--no-progress", "--out", str(out)])
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == ""
+    assert captured.err.startswith(f"triton-offload bench: error: --out {out}: {message}")
+    assert captured.err.count("\n") == 1
+    assert existing.read_text() == "keep me"
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux /proc")
+def test_unwritable_out_is_refused_before_measuring(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """/proc takes no new folders, even for root (tests here may run as root, where
+    permission bits do not stop a write)."""
+    monkeypatch.setattr(harness, "run", _no_measuring)
+    code = main(["bench", "--no-progress", "--out", "/proc/triton-offload-results"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("triton-offload bench: error: --out /proc/triton-offload-results: ")
+    assert "cannot write there" in err and err.count("\n") == 1
 
 
 def test_defaults() -> None:
@@ -75,7 +134,7 @@ def test_quick_run_writes_table_json_report_and_plot(
     printed = capsys.readouterr().out
     assert code == 0, printed
     assert "per-page-copy" in printed and "Summary" in printed
-    for name in ("results.json", "report.md", "bandwidth.png"):
+    for name in ("results.json", "report.md", "bandwidth.png", "sweep.png"):
         assert (out / name).stat().st_size > 0
     payload = json.loads((out / "results.json").read_text())
     env = payload["environment"]
@@ -86,6 +145,10 @@ def test_quick_run_writes_table_json_report_and_plot(
     assert all(m["status"] != "FAILED" for m in payload["measurements"])
     timed = [m for m in payload["measurements"] if m["status"] == "ok"]
     assert {m["path"] for m in timed} >= {"torch", "ceiling", "per-page-copy"}
+    for m in timed:  # every figure comes with its spread and the jobs actually timed
+        assert m["gbps_min"] <= m["gbps"] <= m["gbps_max"]
+        # --quick: 3 repeats per path; the ceiling 3 x 3 in each of its two passes
+        assert m["repeats"] == (18 if m["path"] == "ceiling" else 3), m
     if not env["cuda_available"]:
         # interpreted Triton paths: correctness only, never a GB/s figure
         assert not any(m["path"] in ("triton", "flat-triton") for m in timed)

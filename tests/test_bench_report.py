@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from triton_offload.bench import report
+from triton_offload.bench import harness, report
 from triton_offload.bench.harness import HostCost, Measurement, Results, gbps, percent_of
 
 
@@ -160,3 +160,43 @@ def test_missing_matplotlib_skips_only_the_plot(
     assert "bandwidth.png" not in markdown
     notes = json.loads(written["json"].read_text())["notes"]
     assert any("plot skipped" in n for n in notes)
+
+
+def test_report_shows_spread_jobs_statuses_and_the_ceilings_range(tmp_path: Path) -> None:
+    results = _results()
+    ceiling = results.measurements[0]
+    ceiling.gbps_min, ceiling.gbps_max, ceiling.repeats = 41.0, 52.5, 30
+    triton = results.measurements[1]
+    triton.gbps_min, triton.gbps_max = 37.5, 40.5
+    results.measurements.append(
+        _m("auto", "project", None, status="skipped", note=harness.CUT_NOTE)
+    )
+    markdown = report.write_all(results, tmp_path)["markdown"].read_text()
+    header = next(line for line in markdown.splitlines() if line.startswith("| case | dir | path"))
+    assert "| GB/s | min-max | jobs |" in header
+    assert "| triton | project | ok | 40.00 | 37.50-40.50 | 5 |" in markdown
+    assert "| auto | project | cut | - | - | - |" in markdown
+    # the ceiling's own spread, in the summary and in its section
+    assert "80% of the ceiling (50.00 GB/s; its 30 jobs ranged 41.00-52.50)" in markdown
+    assert "## Ceiling spread" in markdown
+    assert "| llama3.1-8b-tp4 | store | 50.00 | 41.00 | 52.50 | 1.28 | 30 |" in markdown
+    # what the statuses mean, and the repeats actually used
+    for status in ("`ok`: verified byte-exact first", "`cut`: not started", "`unavailable`:"):
+        assert status in markdown
+    assert "`FAILED`: not byte-exact, or it crashed" in markdown
+    assert "--repeats 5 per path" in markdown and "15 jobs before the other paths" in markdown
+    assert "Repeats per figure" not in markdown
+
+
+def test_status_of_names_a_cut_path() -> None:
+    assert report.status_of(_m("dma", "project", None, status="skipped", note="x")) == "skipped"
+    cut = _m("dma", "project", None, status="skipped", note=harness.CUT_NOTE)
+    assert report.status_of(cut) == "cut"
+    assert set(report.STATUS_MEANINGS) == {
+        "ok",
+        "verified",
+        "cut",
+        "skipped",
+        "unavailable",
+        "FAILED",
+    }

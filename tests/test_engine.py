@@ -41,7 +41,9 @@ def hybrid_plan(blocks_per_chunk: int):
         GroupSpec("sliding_window", 16, sliding_window=64),
         GroupSpec("mamba", 16, mamba_cache_mode="align"),
     ]
-    return plan_offload(groups, ParallelSpec(dcp_size=2), blocks_per_chunk=blocks_per_chunk)
+    return plan_offload(
+        groups, ParallelSpec(tp_size=2, dcp_size=2), blocks_per_chunk=blocks_per_chunk
+    )
 
 
 def fill_random(tensor: torch.Tensor, generator: torch.Generator) -> None:

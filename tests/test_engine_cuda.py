@@ -26,7 +26,9 @@ def plan(blocks_per_chunk: int = 2) -> Any:
         GroupSpec("sliding_window", 16, sliding_window=64),
         GroupSpec("mamba", 16, mamba_cache_mode="align"),
     ]
-    return plan_offload(groups, ParallelSpec(dcp_size=2), blocks_per_chunk=blocks_per_chunk)
+    return plan_offload(
+        groups, ParallelSpec(tp_size=2, dcp_size=2), blocks_per_chunk=blocks_per_chunk
+    )
 
 
 def random_fill(tensor: torch.Tensor, seed: int) -> None:

@@ -143,3 +143,15 @@ def test_planner_imports_no_torch() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr + result.stdout
+
+
+@pytest.mark.parametrize(("tp", "dcp"), [(1, 2), (2, 4), (6, 4), (3, 2)])
+def test_parallel_tp_not_divisible_by_dcp(tp: int, dcp: int) -> None:
+    """vLLM runs DCP on the TP group's GPUs: tp must be a multiple of dcp."""
+    with pytest.raises(ValueError, match=rf"tp_size {tp} is not divisible by dcp_size {dcp}"):
+        ParallelSpec(tp_size=tp, dcp_size=dcp)
+
+
+@pytest.mark.parametrize(("tp", "dcp"), [(1, 1), (2, 2), (4, 2), (8, 4), (6, 3)])
+def test_parallel_tp_multiple_of_dcp(tp: int, dcp: int) -> None:
+    assert ParallelSpec(tp_size=tp, dcp_size=dcp).dcp_size == dcp

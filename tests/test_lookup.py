@@ -1,4 +1,4 @@
-"""OffloadPlan.lookup and the presence scans behind it (DESIGN.md §2 load side)."""
+"""OffloadPlan.lookup and the presence scans behind it (the load side)."""
 
 from __future__ import annotations
 
@@ -84,7 +84,9 @@ def test_sliding_window_example_lookup() -> None:
 
 def test_dcp_pcp_lookup_matches_dcp_only() -> None:
     dcp = seed_plan()
-    both = plan_offload(list(s.spec for s in dcp.groups), ParallelSpec(dcp_size=2, pcp_size=2))
+    both = plan_offload(
+        list(s.spec for s in dcp.groups), ParallelSpec(tp_size=2, dcp_size=2, pcp_size=2)
+    )
     present = [bits(2, [0, 1]), bits(4, [1, 3])]
     assert both.lookup(64, 0, present) == dcp.lookup(64, 0, present) == 32
 
@@ -94,7 +96,7 @@ def test_blocks_per_chunk_lookup() -> None:
     Mamba chunks of 32."""
     plan = plan_offload(
         [GroupSpec("full_attention", 16), GroupSpec("mamba", 16, mamba_cache_mode="align")],
-        ParallelSpec(dcp_size=2),
+        ParallelSpec(tp_size=2, dcp_size=2),
         blocks_per_chunk=2,
     )
     assert [g.tokens_per_chunk for g in plan.groups] == [64, 32]

@@ -1,4 +1,4 @@
-"""plan_offload: spans, windows, alignment and store reachability (DESIGN.md §2 examples)."""
+"""plan_offload: spans, windows, alignment and store reachability (hand-computed examples)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ MAMBA16_ALIGN = GroupSpec("mamba", 16, mamba_cache_mode="align")
 
 
 def seed_plan(**parallel: int) -> OffloadPlan:
-    """The seeds' geometry: full attention block 16 + Mamba block 16 (align)."""
+    """The DCP/Mamba span geometry: full attention block 16 + Mamba block 16 (align)."""
     return plan_offload([FULL16, MAMBA16_ALIGN], ParallelSpec(**parallel))
 
 
@@ -84,7 +84,7 @@ def test_dcp_override_per_group() -> None:
             GroupSpec("full_attention", 16, dcp_sharded=False),
             GroupSpec("mamba", 16, dcp_sharded=True),
         ],
-        ParallelSpec(dcp_size=4),
+        ParallelSpec(tp_size=4, dcp_size=4),
     )
     assert tuple(g.tokens_per_block for g in plan.groups) == (16, 64)
 
@@ -124,7 +124,7 @@ def test_needed_chunks_of_a_hit() -> None:
 def test_blocks_per_chunk_scales_chunks_not_spans() -> None:
     plan = plan_offload(
         [GroupSpec("full_attention", 16), GroupSpec("sliding_window", 4, sliding_window=20)],
-        ParallelSpec(dcp_size=2),
+        ParallelSpec(tp_size=2, dcp_size=2),
         blocks_per_chunk=2,
     )
     full, swa = plan.groups
@@ -221,7 +221,7 @@ def test_mamba_align_disagreement_is_a_planning_error() -> None:
                 GroupSpec("mamba", 16, mamba_cache_mode="align"),
                 GroupSpec("mamba", 16, mamba_cache_mode="align", dcp_sharded=True),
             ],
-            ParallelSpec(dcp_size=2),
+            ParallelSpec(tp_size=2, dcp_size=2),
         )
 
 
@@ -246,18 +246,18 @@ def test_wrong_types_to_plan_offload() -> None:
 
 
 def test_plan_is_frozen_and_carries_specs() -> None:
-    plan = seed_plan(dcp_size=2)
+    plan = seed_plan(tp_size=2, dcp_size=2)
     assert plan.groups[1].spec is MAMBA16_ALIGN
     assert plan.groups[1].block_size == 16
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.alignment_tokens = 7  # type: ignore[misc]
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.groups[0].tokens_per_chunk = 7  # type: ignore[misc]
-    assert plan == seed_plan(dcp_size=2)
+    assert plan == seed_plan(tp_size=2, dcp_size=2)
 
 
 def test_reachability_bad_input() -> None:
-    plan = seed_plan(dcp_size=2)
+    plan = seed_plan(tp_size=2, dcp_size=2)
     with pytest.raises(ValueError, match=r"group_index 2 out of range \[0, 2\)"):
         plan.store_reachable_chunks(2, 4)
     with pytest.raises(ValueError, match=r"storable_chunk_count must be >= 0, got -1"):

@@ -5,8 +5,8 @@ definitions, not from the planner's code:
 
 - unbounded groups (full attention, MLA): every token before the hit end;
 - sliding window ``W``: tokens ``[end - W + 1, end)``; chunked local attention of
-  ``C``: back to the start of the local chunk holding ``end``; plus, as DESIGN.md
-  §2 states it, the last ``w`` chunks before the hit end;
+  ``C``: back to the start of the local chunk holding ``end``; plus, as the
+  planner's window rule states it, the last ``w`` chunks before the hit end;
 - Mamba: the hit ends on a chunk boundary and the chunk ending there is needed;
 - EAGLE groups: also the chunk after the hit end (queried, then popped).
 
@@ -67,9 +67,10 @@ def geometries(draw: st.DrawFn) -> OffloadPlan:
         if kind is not GroupKind.MAMBA and draw(st.integers(0, 5)) == 0:
             options["dcp_sharded"] = False
         specs.append(GroupSpec(kind, block, **options))  # type: ignore[arg-type]
+    dcp = draw(st.sampled_from([1, 1, 2, 4]))
     parallel = ParallelSpec(
-        tp_size=draw(st.sampled_from([1, 2, 8])),
-        dcp_size=draw(st.sampled_from([1, 1, 2, 4])),
+        tp_size=dcp * draw(st.sampled_from([1, 2, 8])),  # vLLM: TP is a multiple of DCP
+        dcp_size=dcp,
         pcp_size=draw(st.sampled_from([1, 2])),
     )
     return plan_offload(specs, parallel, blocks_per_chunk=draw(st.sampled_from([1, 1, 2, 3])))
@@ -98,7 +99,7 @@ def aligned_geometries(draw: st.DrawFn) -> OffloadPlan:
     order = draw(st.permutations(range(len(specs))))
     return plan_offload(
         [specs[i] for i in order],
-        ParallelSpec(dcp_size=dcp),
+        ParallelSpec(tp_size=dcp, dcp_size=dcp),
         blocks_per_chunk=draw(st.sampled_from([1, 2])),
     )
 

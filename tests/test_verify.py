@@ -39,18 +39,18 @@ def test_full_matrix_is_bitwise_equal(matrix: dict[str, ScenarioResult]) -> None
 
 
 def test_loaded_tokens_are_the_planners(matrix: dict[str, ScenarioResult]) -> None:
-    # Hand-computed from DESIGN.md §2 (block 16): spans 32/16 at DCP 2, Mamba round-down.
+    # Hand-computed (block 16): spans 32/16 at DCP 2, Mamba hits rounded down to its chunk.
     expected = {
         # the worked example: 64 tokens, attention chunks [0, 1], Mamba [1, 3] -> 32
-        "hybrid/dcp2/bpc1/boundary": 32,
-        "hybrid/dcp2/bpc1/boundary+1": 64,
-        "hybrid/dcp2/bpc1/boundary-1": 32,
-        "hybrid/dcp2/bpc1/short": 0,
-        "hybrid/dcp2/bpc1/several": 96,
+        "mamba-hybrid-tiny/dcp2/bpc1/boundary": 32,
+        "mamba-hybrid-tiny/dcp2/bpc1/boundary+1": 64,
+        "mamba-hybrid-tiny/dcp2/bpc1/boundary-1": 32,
+        "mamba-hybrid-tiny/dcp2/bpc1/short": 0,
+        "mamba-hybrid-tiny/dcp2/bpc1/several": 96,
         # Mamba only, align mode: 32 tokens load 16 (not 31), 33 load 32
-        "mamba/dcp1/bpc1/boundary": 16,
-        "mamba/dcp1/bpc1/boundary+1": 32,
-        "hybrid-swa/dcp2/bpc2/extension": 128,
+        "mamba-tiny/dcp1/bpc1/boundary": 16,
+        "mamba-tiny/dcp1/bpc1/boundary+1": 32,
+        "swa-mamba-hybrid-tiny/dcp2/bpc2/extension": 128,
     }
     for name, tokens in expected.items():
         result = matrix[name]
@@ -65,12 +65,12 @@ def test_loaded_bytes_are_the_needed_blocks(matrix: dict[str, ScenarioResult]) -
     # 16 x 32 float32) and one Mamba block per Mamba layer (conv 3 x 32 + SSM 32 x 8).
     attention = 2 * 2 * 16 * 32 * 4
     mamba = 2 * (3 * 32 + 32 * 8) * 4
-    assert matrix["hybrid/dcp1/bpc1/boundary"].load_bytes == attention + mamba
+    assert matrix["mamba-hybrid-tiny/dcp1/bpc1/boundary"].load_bytes == attention + mamba
     # Three attention chunks, but still one Mamba chunk (window 1): a Mamba hit reads
     # only the state at its end.
-    assert matrix["hybrid/dcp1/bpc1/several"].load_bytes == 3 * attention + mamba
+    assert matrix["mamba-hybrid-tiny/dcp1/bpc1/several"].load_bytes == 3 * attention + mamba
     # DCP 2: both ranks load; the Mamba state is replicated, so it is loaded twice.
-    assert matrix["mamba/dcp2/bpc1/boundary"].load_bytes == 2 * mamba
+    assert matrix["mamba-tiny/dcp2/bpc1/boundary"].load_bytes == 2 * mamba
 
 
 def test_clearing_the_host_pool_turns_every_hit_into_a_recompute(
@@ -89,9 +89,9 @@ def test_clearing_the_host_pool_turns_every_hit_into_a_recompute(
 
 
 def test_table_counts_match_an_independent_lookup() -> None:
-    config = ModelConfig(layers=PRESETS["hybrid-swa"])
+    config = ModelConfig(layers=PRESETS["swa-mamba-hybrid-tiny"])
     with OffloadServer(config, dcp=2, blocks_per_chunk=1, max_tokens=200) as server:
-        scenario = Scenario("probe", "hybrid-swa", 2, 1, 100, 150)
+        scenario = Scenario("probe", "swa-mamba-hybrid-tiny", 2, 1, 100, 150)
         result = run_scenario(server, scenario, max_new_tokens=4)
         assert result.passed, result.failure
         # Ask the planner again, from the manager's presence bits, as a caller would.
@@ -108,9 +108,11 @@ def test_table_counts_match_an_independent_lookup() -> None:
 def test_tiny_host_pool_stays_correct() -> None:
     # Not enough rows for every reachable chunk: some groups store nothing (the manager
     # returns None), the lookup sees holes, and the result must still be exact.
-    config = ModelConfig(layers=PRESETS["hybrid-swa"])
+    config = ModelConfig(layers=PRESETS["swa-mamba-hybrid-tiny"])
     with OffloadServer(config, dcp=1, blocks_per_chunk=1, max_tokens=80, num_host_rows=3) as srv:
-        result = run_scenario(srv, Scenario("tiny", "hybrid-swa", 1, 1, 65, 65), max_new_tokens=4)
+        result = run_scenario(
+            srv, Scenario("tiny", "swa-mamba-hybrid-tiny", 1, 1, 65, 65), max_new_tokens=4
+        )
     assert result.passed, result.failure
 
 
@@ -120,21 +122,23 @@ def _verify(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
 
 
 def test_cli_prints_the_table_and_exits_zero(capsys: pytest.CaptureFixture[str]) -> None:
-    status, out = _verify(capsys, "--preset", "hybrid", "--dcp", "2", "--blocks-per-chunk", "1")
+    status, out = _verify(
+        capsys, "--preset", "mamba-hybrid-tiny", "--dcp", "2", "--blocks-per-chunk", "1"
+    )
     assert status == 0, out
     assert "max |diff|" in out and "recomputed" in out
-    assert "hybrid/dcp2/bpc1/several" in out
+    assert "mamba-hybrid-tiny/dcp2/bpc1/several" in out
     assert "all 7 scenarios equal" in out
 
 
 # Each injected bug on a matrix slice where it must show; the same slice passes without it.
 INJECTED = [
-    ("mamba-span-dcp", ["--preset", "hybrid", "--dcp", "2", "--blocks-per-chunk", "1"],
-     "hybrid/dcp2/bpc1/boundary+1"),
-    ("no-mamba-round-down", ["--preset", "mamba", "--dcp", "1", "--blocks-per-chunk", "1"],
-     "mamba/dcp1/bpc1/boundary"),
-    ("wrong-slot", ["--preset", "hybrid-swa", "--dcp", "1", "--blocks-per-chunk", "2"],
-     "hybrid-swa/dcp1/bpc2/boundary"),
+    ("mamba-span-dcp", ["--preset", "mamba-hybrid-tiny", "--dcp", "2", "--blocks-per-chunk", "1"],
+     "mamba-hybrid-tiny/dcp2/bpc1/boundary+1"),
+    ("no-mamba-round-down", ["--preset", "mamba-tiny", "--dcp", "1", "--blocks-per-chunk", "1"],
+     "mamba-tiny/dcp1/bpc1/boundary"),
+    ("wrong-slot", ["--preset", "swa-mamba-hybrid-tiny", "--dcp", "1", "--blocks-per-chunk", "2"],
+     "swa-mamba-hybrid-tiny/dcp1/bpc2/boundary"),
 ]  # fmt: skip
 
 
@@ -152,18 +156,18 @@ def test_each_injected_bug_fails_verify_by_name(
 
 
 def test_no_round_down_claims_the_seed_hit() -> None:
-    # Seed #44599: a 32-token Mamba prompt with chunks [0, 1] stored claimed 31 tokens.
+    # vLLM before PR #44599: a 32-token Mamba prompt with chunks [0, 1] stored claimed 31.
     results = _by_name(
-        run_scenarios(build_scenarios(["mamba"], [1], [1]), inject="no-mamba-round-down")
+        run_scenarios(build_scenarios(["mamba-tiny"], [1], [1]), inject="no-mamba-round-down")
     )
-    bad = results["mamba/dcp1/bpc1/boundary"]
+    bad = results["mamba-tiny/dcp1/bpc1/boundary"]
     assert bad.lookup_tokens == 31
     assert not bad.logits_equal
 
 
 def test_triton_kernels_under_the_interpreter() -> None:
     # The real copy kernel (interpreted on CPU): one DCP 2 scenario set, hybrid with SWA.
-    results = run_scenarios(build_scenarios(["hybrid-swa"], [2], [2]), backend="triton")
+    results = run_scenarios(build_scenarios(["swa-mamba-hybrid-tiny"], [2], [2]), backend="triton")
     assert [r.failure for r in results if not r.passed] == []
     assert any(r.loaded_tokens > 0 for r in results)
 
@@ -176,7 +180,7 @@ def test_bad_arguments_exit_two(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_server_rejects_bad_input() -> None:
-    config = ModelConfig(layers=PRESETS["mamba"])
+    config = ModelConfig(layers=PRESETS["mamba-tiny"])
     with pytest.raises(ValueError, match="'bogus'"):
         OffloadServer(config, inject="bogus")
     with (

@@ -62,7 +62,7 @@ def test_dcp_does_not_change_the_numbers(model: HybridModel) -> None:
 
 
 def test_resume_between_mamba_states_changes_logits(model: HybridModel) -> None:
-    # The seed #44599 bug: the state after token 31 restored at position 31.
+    # vLLM's bug fixed by PR #44599: the state after token 31 restored at position 31.
     tokens = _prompt(40)
     cache = HybridCache(CONFIG, 1, NUM_BLOCKS)
     blocks = RequestBlocks(CONFIG, 1, NUM_BLOCKS, _tables(CONFIG, 1, 2))

@@ -1,6 +1,6 @@
 """TritonOffloadingSpec against vLLM 0.33's real offloading classes (CPU tensors).
 
-The geometry is the seed case: a hybrid model with a full-attention group and a
+The geometry is the DCP/Mamba span case: a hybrid model with a full-attention group and a
 Mamba group under DCP=2, so vLLM's spans are 32 and 16 tokens per block, with
 ``blocks_per_chunk`` 2. The caches are built the way vLLM's connector builds its
 ``CanonicalKVCaches``: int8 per-block views, the attention layer and the Mamba
@@ -308,7 +308,7 @@ def test_create_spec_hybrid_dcp2_is_cheap_and_keeps_spans(tv: Any) -> None:
     spec = OffloadingSpecFactory.create_spec(_config())
     assert isinstance(spec, tv.TritonOffloadingSpec)
     # vLLM's spans are already DCP-scaled where it applies (attention) and not for
-    # Mamba; the plan must not scale them again (the Mamba span seed bug).
+    # Mamba; the plan must not scale them again (vLLM's DCP/Mamba span bug).
     assert tuple(g.tokens_per_block for g in spec.plan.groups) == (32, 16)
     assert tuple(g.tokens_per_chunk for g in spec.plan.groups) == (64, 32)
     assert spec.plan.blocks_per_chunk == BPC

@@ -204,6 +204,11 @@ class ParallelSpec:
     token-interleaved, so one block spans ``dcp_size`` times more tokens); TP
     splits heads and PCP splits prefill work, neither changes which tokens a block
     covers. They are carried (and validated) so a plan records its deployment.
+
+    ``tp_size`` must be a multiple of ``dcp_size``, as vLLM requires: DCP runs on the
+    GPUs of the TP group (it splits the tokens of each KV-head replica over
+    ``dcp_size`` of the TP ranks), so ``tp=2, dcp=4`` is no deployment, and a plan for
+    it would describe spans no engine ever allocates.
     """
 
     tp_size: int = 1
@@ -214,3 +219,8 @@ class ParallelSpec:
         check_positive_int("tp_size", self.tp_size)
         check_positive_int("dcp_size", self.dcp_size)
         check_positive_int("pcp_size", self.pcp_size)
+        if self.tp_size % self.dcp_size:
+            raise ValueError(
+                f"tp_size {self.tp_size} is not divisible by dcp_size {self.dcp_size} "
+                "(DCP ranks split the TP group)"
+            )

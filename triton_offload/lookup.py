@@ -1,4 +1,4 @@
-"""Store-side reachability and the load-side hit computation (DESIGN.md §2).
+"""Store-side reachability and the load-side hit computation (each rule stated below).
 
 Pure Python, no torch. The lookup runs on the scheduler's hot path once per
 waiting request, so the presence scans below avoid per-element Python loops for
@@ -64,7 +64,7 @@ def is_store_reachable_chunk(
     because a hit on the same prompt ends there.
 
     ``alignment_chunk_count=None`` (unbounded groups, no alignment, or a window that
-    covers a whole segment) makes every chunk reachable. Seed case: ``a=2, w=1,
+    covers a whole segment) makes every chunk reachable. Example: ``a=2, w=1,
     S=4`` -> chunks ``[1, 3]``.
     """
     _check_non_negative_int("chunk_index", chunk_index)
@@ -218,7 +218,7 @@ def _group_hit_end(
     - Only the request's full chunks (``num_tokens // tokens_per_chunk``) are ever
       stored, so the hit is clamped to them.
     - Mamba: the state of chunk ``i`` is the one after its last token, so a hit must
-      end exactly on this group's chunk boundary (the seed bug restored a state
+      end exactly on this group's chunk boundary (vLLM before PR #44599 restored a state
       between two stored ones); rounded down here for every mode, which also covers
       a Mamba chunk larger than an unbounded group's chunk.
     - Unbounded groups: the present prefix from ``num_computed_tokens // tpc``.
@@ -272,7 +272,7 @@ def lookup_hit_tokens(
 
     1. ``max_hit = num_tokens``; with any windowed group the last token is kept for
        recompute (its logits) and, with ``mamba_align_tokens``, the result is rounded
-       down to it (the seed #44599 fix). Each Mamba group rounds down to its own
+       down to it (the fix of vLLM PR #44599). Each Mamba group rounds down to its own
        grid again when visited (``_group_hit_end``), which also covers a hit cut by a
        later group; rounding here first keeps the unbounded groups' scans short.
     2. Unbounded groups first: a shorter hit never invalidates a prefix, so they are

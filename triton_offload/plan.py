@@ -2,8 +2,8 @@
 
 Pure Python, no torch. The plan holds every per-group constant the store and load
 sides need (span, chunk, window, alignment) plus the lookup's visit order, so the
-hot path (``OffloadPlan.lookup``) does no planning work. The math follows
-DESIGN.md §2; the comments say which bug each rule prevents.
+hot path (``OffloadPlan.lookup``) does no planning work. Each rule is stated
+where it is computed, with the bug it prevents.
 """
 
 from __future__ import annotations
@@ -300,7 +300,12 @@ def plan_offload(
     *,
     blocks_per_chunk: int = 1,
 ) -> OffloadPlan:
-    """Compute the offload plan of a model's cache groups (DESIGN.md §2).
+    """Compute the offload plan of a model's cache groups.
+
+    Per group: its span (``block_size * dcp_size`` tokens when DCP-sharded, as every
+    attention kind is by default; ``block_size`` for replicated Mamba state), its chunk
+    (span x ``blocks_per_chunk``), its window in chunks and its alignment count; for
+    the plan, the alignment and Mamba grids and the lookup's visit order.
 
     Raises ``TypeError``/``ValueError`` (``PlanningError`` for inconsistent groups)
     naming the bad field and value: an empty group list, a non-positive
@@ -319,8 +324,8 @@ def plan_offload(
     spans: list[tuple[int, int, int | None]] = []
     for spec in specs:
         # DCP interleaves attention KV across ranks, so one block covers dcp_size times
-        # more of the sequence; Mamba state is replicated, and scaling its span was the
-        # seed bug (keys pointing at the wrong recurrent state).
+        # more of the sequence; Mamba state is replicated, and scaling its span by DCP was
+        # vLLM's DCP/Mamba span bug (keys pointing at the wrong recurrent state).
         tokens_per_block = spec.block_size * (parallel.dcp_size if spec.is_dcp_sharded else 1)
         tokens_per_chunk = tokens_per_block * blocks_per_chunk
         spans.append(

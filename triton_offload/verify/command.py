@@ -18,25 +18,35 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from triton_offload.cli_args import int_at_least
+from triton_offload.cli_args import UsageError, check_fits_in_memory, format_bytes, int_at_least
+from triton_offload.presets import PRESETS, preset_names
 
 if TYPE_CHECKING:  # serving imports torch: loaded only when a run starts
-    from triton_offload.verify.serving import ScenarioResult
+    from triton_offload.verify.serving import Scenario, ScenarioResult
 
-__all__ = ["configure_parser", "format_table", "run"]
+__all__ = ["MAX_REQUEST_TOKENS", "configure_parser", "format_table", "needed_bytes", "run"]
 
 _BACKENDS = ("torch", "triton")
 
+#: Longest request (prompt + new tokens) verify runs. The verification model computes
+#: every token alone, against every earlier one, so time grows with the square of the
+#: prompt: the 7 scenarios of one preset at DCP 2 with 16 blocks per chunk (prompts up
+#: to 1,797 tokens) took 12 s on one core; at 4,096 tokens they take about a minute.
+MAX_REQUEST_TOKENS = 4096
+
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
-    from triton_offload.verify.serving import INJECTIONS, PRESETS
+    from triton_offload.verify.serving import INJECTIONS
 
+    names = preset_names("verify")
     parser.add_argument(
         "--preset",
-        choices=[*PRESETS, "all"],
+        choices=[*names, "all"],
         default="all",
-        help="model preset: hybrid-swa (attention + sliding window + Mamba), hybrid "
-        "(attention + Mamba), mamba (Mamba only); default: all",
+        help="model preset, a scaled-down model run end to end on the CPU (the same names "
+        "as plan): "
+        + "; ".join(f"{name}: {PRESETS[name].description}" for name in names)
+        + "; default: all",
     )
     parser.add_argument(
         "--dcp",
@@ -87,12 +97,72 @@ def _prepare_backend(backend: str) -> str | None:
         return None
     if "triton_offload.kernels.copy_blocks" in sys.modules:
         return (
-            "backend 'triton' needs TRITON_INTERPRET=1 (the verification model runs on the "
+            "the kernels need TRITON_INTERPRET=1 (the verification model runs on the "
             "CPU), but the kernels were already imported without it; set TRITON_INTERPRET=1 "
             "in the environment"
         )
     os.environ["TRITON_INTERPRET"] = "1"
     return None
+
+
+def needed_bytes(scenarios: Sequence[Scenario], max_new_tokens: int) -> int:
+    """Bytes the largest server of a run allocates: every rank's cache tensors (float32)
+    and every rank's host pool (``num_host_rows`` rows of the longest group row)."""
+    import inspect
+
+    from triton_offload.verify.model import ModelConfig
+    from triton_offload.verify.serving import PRESETS as LAYERS
+    from triton_offload.verify.serving import OffloadServer
+
+    rows = inspect.signature(OffloadServer).parameters["num_host_rows"].default
+    servers: dict[tuple[str, int, int], int] = {}
+    for s in scenarios:
+        key = (s.preset, s.dcp, s.blocks_per_chunk)
+        tokens = max(s.first_len, s.second_len) + max_new_tokens
+        servers[key] = max(servers.get(key, 0), tokens)
+    largest = 0
+    for (preset, dcp, bpc), tokens in servers.items():
+        c = ModelConfig(layers=LAYERS[preset])
+        blocks = 2 * max(c.blocks_per_rank(g, tokens, dcp) for g in range(len(c.group_kinds)))
+        attention = 2 * c.block_size * c.hidden_size * 4  # K and V pages
+        mamba = ((c.conv_kernel - 1) * c.hidden_size + c.hidden_size * c.ssm_state_size) * 4
+        page = {kind: mamba if kind == "mamba" else attention for kind in c.layers}
+        cache = dcp * blocks * sum(page[kind] for kind in c.layers)
+        row = max(bpc * page[kind] * c.layers.count(kind) for kind in c.group_kinds)
+        largest = max(largest, cache + dcp * rows * ((row + 15) // 16 * 16))
+    return largest
+
+
+def _check_sizes(args: argparse.Namespace, scenarios: Sequence[Scenario]) -> None:
+    """Refuse a run that would not fit in memory, or whose prompts are too long."""
+    flags = " ".join(
+        f"--{name.replace('_', '-')} {value}"
+        for name, value in (("dcp", args.dcp), ("blocks_per_chunk", args.blocks_per_chunk))
+        if value is not None
+    )
+    longest = max(max(s.first_len, s.second_len) for s in scenarios)
+    request = longest + args.max_new_tokens
+    if request > MAX_REQUEST_TOKENS:
+        if longest + 1 <= MAX_REQUEST_TOKENS:
+            raise UsageError(
+                f"--max-new-tokens {args.max_new_tokens}: with prompts of up to {longest:,} "
+                f"tokens a request reaches {request:,} tokens; verify runs requests of at most "
+                f"{MAX_REQUEST_TOKENS:,} tokens (the model computes every token alone)"
+            )
+        chunk = max(s.first_len // 2 for s in scenarios if s.name.endswith("/boundary"))
+        raise UsageError(
+            f"{flags or '--preset ' + args.preset}: chunks of up to {chunk:,} tokens make "
+            f"prompts of up to {longest:,} tokens and would need "
+            f"{format_bytes(needed_bytes(scenarios, args.max_new_tokens))} of caches and host "
+            f"pools; verify runs requests of at most "
+            f"{MAX_REQUEST_TOKENS:,} tokens (the model computes every token alone, so time "
+            "grows with the square of the prompt)"
+        )
+    check_fits_in_memory(
+        flags or "--preset " + args.preset,
+        needed_bytes(scenarios, args.max_new_tokens),
+        "the verification caches and host pools",
+    )
 
 
 def format_table(results: Sequence[ScenarioResult]) -> str:
@@ -139,15 +209,16 @@ def format_table(results: Sequence[ScenarioResult]) -> str:
 def run(args: argparse.Namespace) -> int:
     problem = _prepare_backend(args.backend)
     if problem is not None:
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
+        raise UsageError(f"--backend {args.backend}: {problem}")
 
-    from triton_offload.verify.serving import PRESETS, build_scenarios, run_scenarios
+    from triton_offload.verify.serving import PRESETS as LAYERS
+    from triton_offload.verify.serving import build_scenarios, run_scenarios
 
-    presets = list(PRESETS) if args.preset == "all" else [args.preset]
+    presets = list(LAYERS) if args.preset == "all" else [args.preset]
     dcps = [1, 2] if args.dcp is None else [args.dcp]
     bpcs = [1, 2] if args.blocks_per_chunk is None else [args.blocks_per_chunk]
     scenarios = build_scenarios(presets, dcps, bpcs)
+    _check_sizes(args, scenarios)
     inject = f", injected bug: {args.inject}" if args.inject else ""
     print(
         f"verify: {len(scenarios)} scenarios, backend {args.backend}, "

@@ -44,6 +44,7 @@ from triton_offload import (
     plan_offload,
 )
 from triton_offload.jobs import JobSpec
+from triton_offload.presets import PRESETS as MODEL_PRESETS
 from triton_offload.verify.model import HybridCache, HybridModel, ModelConfig, RequestBlocks
 
 if TYPE_CHECKING:
@@ -65,14 +66,14 @@ __all__ = [
 
 INJECTIONS = ("mamba-span-dcp", "no-mamba-round-down", "wrong-slot")
 
-#: Model presets: layer stacks of the verification model.
+#: Model presets: layer stacks of the verification model, the ``-tiny`` presets of the
+#: package's preset table (``mamba-hybrid-tiny``: full attention + Mamba, the DCP/Mamba
+#: span geometry; ``swa-mamba-hybrid-tiny``: every group kind the model has;
+#: ``mamba-tiny``: Mamba only, where no attention grid hides a bad round-down).
 PRESETS: dict[str, tuple[str, ...]] = {
-    # full attention + sliding window + Mamba: every group kind the model has
-    "hybrid-swa": ("attention", "mamba", "sliding_window", "mamba"),
-    # full attention + Mamba, the seeds' DCP geometry
-    "hybrid": ("attention", "mamba", "attention", "mamba"),
-    # Mamba only, the seed #44599 model kind: no attention grid hides a bad round-down
-    "mamba": ("mamba", "mamba"),
+    name: preset.verify_layers
+    for name, preset in MODEL_PRESETS.items()
+    if preset.verify_layers is not None
 }
 
 
