@@ -59,21 +59,39 @@ __all__ = [
 
 # Bytes one program copies per item: 512 lanes of 16 bytes, i.e. four 16-byte loads in
 # flight per thread at NUM_WARPS=4 (16 data registers per thread). Larger tiles only cost
-# registers; smaller ones multiply the per-item scalar work (table loads, int64 division).
+# registers; smaller ones multiply the per-item scalar work (eight table loads, address
+# arithmetic).
 TILE_BYTES = 8192
-# Lanes of the byte path (misaligned items and tails shorter than one word).
+# Lanes of the byte path (misaligned items and tails shorter than one word). 512 would
+# save a few registers on Triton 3.6 / sm_90 but lets ptxas move the next item's tile
+# length into a uniform register right after its load, i.e. wait for it once per item.
 NARROW_BYTES = 1024
 NUM_WARPS = 4
+# Options of every launch, shared by launch_copy and warm_up so that the kernel warm_up
+# compiles is the one jobs run.
+_LAUNCH_OPTIONS: dict[str, int] = {
+    "TILE_BYTES": TILE_BYTES,
+    "NARROW_BYTES": NARROW_BYTES,
+    "num_warps": NUM_WARPS,
+}
 
 # Bytes that must be in flight to keep PCIe Gen5 x16 busy: ~55 GB/s x ~2 us host-read
-# round trip ~= 110 KB (DESIGN.md §5 quotes ~100 KB). Each program keeps one item (one
-# tile, at most TILE_BYTES) in flight and spends part of every item on table loads and
-# the store, so we ask for twice that: with full 8 KiB tiles, 256 KiB / 8 KiB = 32
-# programs; with smaller pages (mean tile of 2 KiB: 128 programs) more, up to the SM
-# count. 32 of an H100's 132 SMs leaves the rest to the forward pass that runs
-# concurrently on the compute stream. Not tuned on a GPU yet: the bench sweep of
-# num_programs is the measurement that should replace this estimate.
+# round trip ~= 110 KB. Each program keeps one item's data (one tile, at most
+# TILE_BYTES) in flight, plus the next item's table rows, so we ask for about twice
+# that: with full 8 KiB tiles, 256 KiB / 8 KiB = 32 programs; with smaller pages more
+# (mean tile of 2 KiB: 128 programs; 1 KiB: 256), up to MAX_PROGRAMS_PER_SM per SM. 32
+# of an H100's 132 SMs leaves the rest to the forward pass that runs concurrently on
+# the compute stream. Not tuned on a GPU yet: the bench sweep of num_programs is the
+# measurement that should replace this estimate.
 PCIE_IN_FLIGHT_TARGET_BYTES = 256 * 1024
+# Programs one SM may hold for small mean tiles. One per SM capped the grid at 132 on an
+# H100, i.e. ~132 KiB in flight at 1 KiB tiles and ~66 KiB at 512 B, below the ~110 KB
+# PCIe needs. Two per SM reach 264 programs (1 KiB tiles: the full 256 KiB; 512 B tiles:
+# 135 KB) while each SM keeps most of its resources for the forward pass: a program is
+# 4 warps of ~72 registers per thread (ptxas, Triton 3.6), so two take 8 of 64 warp
+# slots and ~18 K of 64 K registers, whereas four would take over half the register
+# file, enough to keep a 256-thread, 128-register GEMM block off the SM.
+MAX_PROGRAMS_PER_SM = 2
 # The interpreter runs programs one after another; a few programs still exercise the
 # grid-stride walk (items owned by several programs, group boundaries mid-stride).
 INTERPRETER_NUM_PROGRAMS = 4
@@ -644,13 +662,13 @@ def validate_pairs(
 def default_num_programs(
     device: torch.device | str | int, mean_tile_bytes: int = TILE_BYTES
 ) -> int:
-    """Persistent-grid size: enough bytes in flight for PCIe, capped at the SM count.
+    """Persistent-grid size: enough bytes in flight for PCIe, at most two programs per SM.
 
     ``ceil(PCIE_IN_FLIGHT_TARGET_BYTES / mean_tile_bytes)`` programs (32 for full 8 KiB
-    tiles; see the constant for the reasoning), at most one per SM. ``mean_tile_bytes``
-    is the layout's mean item size (``CopyLayout.mean_tile_bytes``): small pages leave
-    each program fewer bytes in flight, so they get more programs. Under the interpreter
-    (CPU tensors) a small grid keeps tests fast.
+    tiles; see the constant for the reasoning), at most ``MAX_PROGRAMS_PER_SM`` per SM.
+    ``mean_tile_bytes`` is the layout's mean item size (``CopyLayout.mean_tile_bytes``):
+    small pages leave each program fewer bytes in flight, so they get more programs.
+    Under the interpreter (CPU tensors) a small grid keeps tests fast.
     """
     device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
     if _INTERPRETED or device.type != "cuda":
@@ -660,14 +678,49 @@ def default_num_programs(
 
 
 def grid_size(sm_count: int, mean_tile_bytes: int) -> int:
-    """The launch setting itself, a pure function: see ``PCIE_IN_FLIGHT_TARGET_BYTES``."""
+    """The launch setting itself, a pure function: see ``PCIE_IN_FLIGHT_TARGET_BYTES`` and
+    ``MAX_PROGRAMS_PER_SM``."""
     wanted = -(-PCIE_IN_FLIGHT_TARGET_BYTES // max(1, min(int(mean_tile_bytes), TILE_BYTES)))
-    return max(1, min(sm_count, wanted))
+    return max(1, min(MAX_PROGRAMS_PER_SM * sm_count, wanted))
 
 
 @functools.cache
 def _sm_count(index: int) -> int:
     return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
+def _empty_job(device: torch.device) -> tuple[object, ...]:
+    """Kernel arguments of a job with one group and no pairs, on ``device``.
+
+    The kernel reads this group's four table words and moves no byte. Fresh tables, like
+    a layout's; the values of the scalars do not matter (no argument is specialized).
+    """
+    return (
+        torch.zeros((1, 5), dtype=torch.int64, device=device),
+        torch.zeros((1, 2), dtype=torch.int64, device=device),
+        torch.zeros((1, 3), dtype=torch.int64, device=device),
+        torch.zeros(2, dtype=torch.int64, device=device),
+        0,
+        0,
+        1,
+        int(Direction.TO_POOL),
+    )
+
+
+def warm_up(device: torch.device | str | int) -> None:
+    """Compile and load the copy kernel on ``device`` now, so the first job does not wait.
+
+    Launches an empty job (no byte moves) on the current stream of ``device``. No kernel
+    argument is specialized on its value or alignment and the launch options are the
+    ones :func:`launch_copy` uses, so the kernel compiled here is the one every later job
+    runs: a first compile costs ~1 s, mid-serving. Does nothing on CPU devices and under
+    the interpreter, where nothing is compiled.
+    """
+    device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    if _INTERPRETED or device.type != "cuda":
+        return
+    with torch.cuda.device(device):
+        _copy_blocks_kernel[(1,)](*_empty_job(device), **_LAUNCH_OPTIONS)
 
 
 def launch_copy(
@@ -698,9 +751,7 @@ def launch_copy(
         layout.pool_row_bytes,
         layout.num_groups,
         int(direction),
-        TILE_BYTES=TILE_BYTES,
-        NARROW_BYTES=NARROW_BYTES,
-        num_warps=NUM_WARPS,
+        **_LAUNCH_OPTIONS,
     )
 
 
