@@ -62,9 +62,10 @@ __all__ = [
 # registers; smaller ones multiply the per-item scalar work (eight table loads, address
 # arithmetic).
 TILE_BYTES = 8192
-# Lanes of the byte path (misaligned items and tails shorter than one word). 512 would
-# save a few registers on Triton 3.6 / sm_90 but lets ptxas move the next item's tile
-# length into a uniform register right after its load, i.e. wait for it once per item.
+# Lanes of the byte path (misaligned items and tails shorter than one word). 512 saves
+# 8 registers on Triton 3.6 / sm_90, but then its ptxas moves the next item's tile length
+# into a uniform register right after the load (seen in the SASS), i.e. waits for that
+# load before the current item's stores.
 NARROW_BYTES = 1024
 NUM_WARPS = 4
 # Options of every launch, shared by launch_copy and warm_up so that the kernel warm_up
@@ -231,9 +232,9 @@ def _copy_blocks_kernel(
         NARROW_BYTES: constexpr, lanes of the byte path.
 
     Each program keeps two items in flight: the table rows of its next item (eight
-    scalar loads) are issued while the current item's data loads are outstanding and
-    before its stores, so the table latency hides behind the data's instead of being
-    paid once more per item.
+    scalar loads) are issued while the current item's 16-byte data loads are outstanding
+    and before its stores (on the narrower paths: before its copy), so the table latency
+    hides behind the data's instead of being paid once more per item.
     """
     pid = tl.program_id(0).to(tl.int64)
     num_programs = tl.num_programs(0).to(tl.int64)

@@ -220,6 +220,32 @@ def test_next_items_table_rows_load_before_this_items_stores(capability: int) ->
     )
 
 
+def loop_ptx(between: str) -> str:
+    """A hand-written item loop: a 16-byte load, ``between``, a 16-byte store, back edge."""
+    return f"""
+$L__BB0_2:
+	add.s64 	%rd10, %rd1, %rd2;
+	ld.global.v4.b32 {{ %r1, %r2, %r3, %r4 }}, [ %rd10 + 0 ];
+{between}
+	st.global.v4.b32 [ %rd11 + 0 ], {{ %r1, %r2, %r3, %r4 }};
+	@%p1 bra 	$L__BB0_2;
+"""
+
+
+def test_in_flight_judge_on_hand_written_loops() -> None:
+    rows = "\n".join(f"\tld.global.b64 {{ %rd{20 + k} }}, [ %rd3 + {8 * k} ];" for k in range(8))
+    # The next item's rows, the store addressed from this item's registers: accepted.
+    assert two_items_in_flight(loop_ptx(rows + "\n\tadd.s64 %rd11, %rd1, %rd4;")) == (8, [])
+    # The store address computed from the rows just loaded: they are this item's rows.
+    count, problems = two_items_in_flight(loop_ptx(rows + "\n\tadd.s64 %rd11, %rd20, %rd4;"))
+    assert count == 8 and problems and "depends on a table load" in problems[0]
+    # No rows between the data load and store (the one-item-in-flight kernel).
+    assert two_items_in_flight(loop_ptx("\tadd.s64 %rd11, %rd1, %rd4;")) == (0, [])
+    # Straight-line code, no back edge.
+    straight = loop_ptx(rows + "\n\tadd.s64 %rd11, %rd1, %rd4;").replace("@%p1 bra", "// ")
+    assert two_items_in_flight(straight)[1] == ["the 16-byte path is not inside a loop"]
+
+
 @pytest.mark.parametrize("capability", [90, 80])
 def test_no_spills_no_shared_memory_shuffle(capability: int) -> None:
     info, ptx = compiled(capability)
