@@ -170,3 +170,41 @@ def test_default_grid_on_cuda() -> None:
     # Smaller items: more programs to keep the same bytes in flight, at most two per SM.
     assert default_num_programs("cuda", TILE_BYTES // 2) == min(2 * sms, 2 * full_tiles)
     assert default_num_programs("cuda", 1) == 2 * sms
+
+
+def test_warm_up_compiles_the_kernel_real_jobs_run() -> None:
+    # A job's pair table is often a slice: rows from `skip` on are 16-byte aligned only for
+    # even skips. After warm_up, jobs at every skip, both directions, must find the kernel
+    # warm_up compiled: none may compile another (~1 s mid-serving).
+    from triton_offload.kernels import copy_blocks as module
+
+    num_blocks, bpc, count = 64, 3, 20
+    tensors, planes, row_bytes = make_cache(PAGES, num_blocks, bpc)
+    rows = 3 * -(-count // bpc)
+    layout = CopyLayout.build(
+        planes,
+        num_groups=3,
+        blocks_per_chunk=bpc,
+        pool_row_bytes=row_bytes,
+        pool_rows=rows,
+        device="cuda",
+    )
+    pairs, offsets = pairs_for(3, count, num_blocks, bpc)
+    expected = torch.zeros((rows, row_bytes), dtype=torch.uint8)
+    reference_copy([byte_plane(t.cpu()) for t in tensors], layout, pairs, offsets, expected, 0)
+    cache = module._copy_blocks_kernel.device_caches[torch.cuda.current_device()][0]
+    cache.clear()  # kernels compiled by earlier tests of this process
+    module.warm_up(torch.device("cuda"))
+    torch.cuda.synchronize()
+    assert len(cache) == 1
+    for skip in (0, 1, 2, 3):
+        table = torch.zeros((skip + pairs.shape[0], 3), dtype=torch.int64, device="cuda")
+        table[skip:] = pairs.cuda()
+        starts = torch.zeros(skip + offsets.shape[0], dtype=torch.int64, device="cuda")
+        starts[skip:] = offsets.cuda()
+        pool = torch.zeros((rows, row_bytes), dtype=torch.uint8, device="cuda")
+        launch_copy(layout, table[skip:], starts[skip:], pool.data_ptr(), Direction.TO_POOL)
+        launch_copy(layout, table[skip:], starts[skip:], pool.data_ptr(), Direction.FROM_POOL)
+        torch.cuda.synchronize()
+        assert torch.equal(pool.cpu(), expected)
+    assert len(cache) == 1
