@@ -701,10 +701,10 @@ def _empty_job(device: torch.device) -> tuple[object, ...]:
         torch.zeros((1, 2), dtype=torch.int64, device=device),
         torch.zeros((1, 3), dtype=torch.int64, device=device),
         torch.zeros(2, dtype=torch.int64, device=device),
-        0,
-        0,
-        1,
-        int(Direction.TO_POOL),
+        0,  # pool address
+        0,  # pool row bytes
+        1,  # groups
+        0,  # direction: to the pool
     )
 
 
