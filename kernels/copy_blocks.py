@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 __all__ = [
+    "MAX_PROGRAMS_PER_SM",
     "NARROW_BYTES",
     "NUM_WARPS",
     "TILE_BYTES",
@@ -49,25 +50,45 @@ __all__ = [
     "default_num_programs",
     "grid_size",
     "launch_copy",
+    "warm_up",
 ]
 
 # Bytes one program copies per item: 512 lanes of 16 bytes, i.e. four 16-byte loads in
 # flight per thread at NUM_WARPS=4 (16 data registers per thread). Larger tiles only cost
-# registers; smaller ones multiply the per-item scalar work (table loads, int64 division).
+# registers; smaller ones multiply the per-item scalar work (eight table loads, address
+# arithmetic).
 TILE_BYTES = 8192
-# Lanes of the byte path (misaligned items and tails shorter than one word).
+# Lanes of the byte path (misaligned items and tails shorter than one word). 512 saves
+# 8 registers on Triton 3.6 / sm_90, but then its ptxas moves the next item's tile length
+# into a uniform register right after the load (seen in the SASS), i.e. waits for that
+# load before the current item's stores.
 NARROW_BYTES = 1024
 NUM_WARPS = 4
+# Options of every launch, shared by launch_copy and warm_up so that the kernel warm_up
+# compiles is the one jobs run.
+_LAUNCH_OPTIONS: dict[str, int] = {
+    "TILE_BYTES": TILE_BYTES,
+    "NARROW_BYTES": NARROW_BYTES,
+    "num_warps": NUM_WARPS,
+}
 
 # Bytes that must be in flight to keep PCIe Gen5 x16 busy: ~55 GB/s x ~2 us host-read
-# round trip ~= 110 KB (public reports quote ~100 KB). Each program keeps one item (one
-# tile, at most TILE_BYTES) in flight and spends part of every item on table loads and
-# the store, so we ask for twice that: with full 8 KiB tiles, 256 KiB / 8 KiB = 32
-# programs; with smaller pages (mean tile of 2 KiB: 128 programs) more, up to the SM
-# count. 32 of an H100's 132 SMs leaves the rest to the forward pass that runs
-# concurrently on the compute stream. Not tuned on a GPU yet: the bench sweep of
-# num_programs is the measurement that should replace this estimate.
+# round trip ~= 110 KB. Each program keeps one item's data (one tile, at most
+# TILE_BYTES) in flight, plus the next item's table rows, so we ask for about twice
+# that: with full 8 KiB tiles, 256 KiB / 8 KiB = 32 programs; with smaller pages more
+# (mean tile of 2 KiB: 128 programs; 1 KiB: 256), up to MAX_PROGRAMS_PER_SM per SM. 32
+# of an H100's 132 SMs leaves the rest to the forward pass that runs concurrently on
+# the compute stream. Not tuned on a GPU yet: the bench sweep of num_programs is the
+# measurement that should replace this estimate.
 PCIE_IN_FLIGHT_TARGET_BYTES = 256 * 1024
+# Programs one SM may hold for small mean tiles. One per SM capped the grid at 132 on an
+# H100, i.e. ~132 KiB in flight at 1 KiB tiles and ~66 KiB at 512 B, below the ~110 KB
+# PCIe needs. Two per SM reach 264 programs (1 KiB tiles: the full 256 KiB; 512 B tiles:
+# 135 KB) while each SM keeps most of its resources for the forward pass: a program is
+# 4 warps of ~72 registers per thread (ptxas, Triton 3.6), so two take 8 of 64 warp
+# slots and ~18 K of 64 K registers, whereas four would take over half the register
+# file, enough to keep a 256-thread, 128-register GEMM block off the SM.
+MAX_PROGRAMS_PER_SM = 2
 # The interpreter runs programs one after another; a few programs still exercise the
 # grid-stride walk (items owned by several programs, group boundaries mid-stride).
 INTERPRETER_NUM_PROGRAMS = 4
@@ -100,24 +121,46 @@ class CopyTables(Protocol):
 
 
 @triton.jit
-def _copy_words(src, dst, n_words, WORD: tl.constexpr, LANES: tl.constexpr):
-    """Copy ``n_words`` words of ``WORD`` bytes; ``src``/``dst`` are WORD-aligned int64 addresses.
+def _wide_lanes(n_words, LANES: tl.constexpr):
+    """Int32 lane offsets and mask of ``LANES`` 16-byte words, ``n_words`` of them live.
 
-    Words of 16 and 8 bytes are moved as 4 / 2 contiguous int32 lanes so Triton emits
-    ``ld.global.v4.b32`` / ``v2.b32``: a pointer made from an integer carries no
-    alignment, hence the ``tl.multiple_of`` on both pointers. ``n_words * (WORD // 4)``
-    keeps the mask constant over each word, so the mask does not split the vector.
+    ``[words, 4 lanes of a word]``: contiguity is exactly one word, so the load cannot be
+    given a wider per-thread layout than the store (which would need a shuffle through
+    shared memory between them), and the mask is constant over each word, so it does not
+    split the vector.
+    """
+    words = tl.arange(0, LANES)
+    lanes = words[:, None] * 4 + tl.arange(0, 4)[None, :]
+    return lanes, words[:, None] < n_words
+
+
+@triton.jit
+def _copy_words(src, dst, n_words, WORD: tl.constexpr, LANES: tl.constexpr):
+    """Copy ``n_words`` words of ``WORD`` (1, 4 or 8) bytes, ``LANES`` words per step.
+
+    ``src``/``dst`` are WORD-aligned int64 addresses. Words of 8 bytes move as 2
+    contiguous int32 lanes (``v2.b32``); a pointer made from an integer carries no
+    alignment, hence the ``tl.multiple_of``. The step keeps every thread at four accesses
+    in flight, as on the 16-byte path: a whole tile of 4-byte words per step would hold
+    16 addresses per thread, and the kernel's register count is set by its widest point.
+
+    Page bytes are read once and written once, so every access is marked evict-first
+    (``L1::evict_first`` plus an ``L2::evict_first`` cache policy): a job must not push
+    the forward pass's weights and activations out of L1/L2. ``eviction_policy`` is the
+    hint both Triton 3.6 and newer accept on loads and stores alike (3.6 rejects ``.cs``
+    on loads, and ptxas refuses ``.cg``/``.cs`` combined with an eviction priority).
     """
     if WORD >= 4:
-        src_ptr = tl.multiple_of(src.to(tl.pointer_type(tl.int32)), WORD)
-        dst_ptr = tl.multiple_of(dst.to(tl.pointer_type(tl.int32)), WORD)
-        # [words, lanes of a word]: contiguity is exactly one word, so the load cannot be
-        # given a wider per-thread layout than the store (which would need a shuffle
-        # through shared memory between them).
-        words = tl.arange(0, LANES // (WORD // 4))
+        words = tl.arange(0, LANES)
         lanes = words[:, None] * (WORD // 4) + tl.arange(0, WORD // 4)[None, :]
-        mask = words[:, None] < n_words
-        tl.store(dst_ptr + lanes, tl.load(src_ptr + lanes, mask=mask), mask=mask)
+        start = n_words * 0
+        while start < n_words:
+            src_ptr = tl.multiple_of((src + start * WORD).to(tl.pointer_type(tl.int32)), WORD)
+            dst_ptr = tl.multiple_of((dst + start * WORD).to(tl.pointer_type(tl.int32)), WORD)
+            mask = words[:, None] < n_words - start
+            data = tl.load(src_ptr + lanes, mask=mask, eviction_policy="evict_first")
+            tl.store(dst_ptr + lanes, data, mask=mask, eviction_policy="evict_first")
+            start += LANES
     else:
         src_ptr = src.to(tl.pointer_type(tl.uint8))
         dst_ptr = dst.to(tl.pointer_type(tl.uint8))
@@ -125,20 +168,58 @@ def _copy_words(src, dst, n_words, WORD: tl.constexpr, LANES: tl.constexpr):
         while start < n_words:
             lanes = start + tl.arange(0, LANES)
             mask = lanes < n_words
-            tl.store(dst_ptr + lanes, tl.load(src_ptr + lanes, mask=mask), mask=mask)
+            data = tl.load(src_ptr + lanes, mask=mask, eviction_policy="evict_first")
+            tl.store(dst_ptr + lanes, data, mask=mask, eviction_policy="evict_first")
             start += LANES
 
 
-@triton.jit(do_not_specialize=["pool_address", "pool_row_bytes", "num_groups", "direction"])
+@triton.jit
+def _item_rows(pairs_ptr, tile_table_ptr, pair, tile_row, valid):
+    """The pair row and tile row of one item: eight scalar int64 loads, cached (tables are
+    re-read by every job). Masked by ``valid``: a program's look-ahead past its last item
+    must not read past the pair table (a job's table ends at its last pair)."""
+    pair_row = pairs_ptr + pair * 3
+    tile = tile_table_ptr + tile_row * 5
+    return (
+        tl.load(pair_row, mask=valid, other=0),  # GPU block id
+        tl.load(pair_row + 1, mask=valid, other=0),  # pool row
+        tl.load(pair_row + 2, mask=valid, other=0),  # slot
+        tl.load(tile, mask=valid, other=0),  # tile address in block 0
+        tl.load(tile + 1, mask=valid, other=0),  # block stride
+        tl.load(tile + 2, mask=valid, other=0),  # tile offset in pool slot 0
+        tl.load(tile + 3, mask=valid, other=0),  # page bytes (slot stride)
+        tl.load(tile + 4, mask=valid, other=0),  # tile length
+    )
+
+
+# Every runtime argument is left unspecialized, so ONE compiled kernel serves every job:
+# by default Triton specializes a tensor argument on 16-byte alignment and an int on
+# ``== 1`` / divisibility by 16. Per-job tables are often slices (``pairs[3n:]`` is
+# 16-byte aligned only for even n) and a recompile mid-serving costs ~1 s. The int
+# arguments carry annotations so their types do not follow their values either (an
+# unannotated int is i32 below 2**31 and i64 above). Nothing is lost: the kernel reads
+# the tables with scalar int64 loads, whose alignment the element type already implies.
+@triton.jit(
+    do_not_specialize=[
+        "tile_table_ptr",
+        "group_table_ptr",
+        "pairs_ptr",
+        "group_offsets_ptr",
+        "pool_address",
+        "pool_row_bytes",
+        "num_groups",
+        "direction",
+    ]
+)
 def _copy_blocks_kernel(
     tile_table_ptr,
     group_table_ptr,
     pairs_ptr,
     group_offsets_ptr,
-    pool_address,
-    pool_row_bytes,
-    num_groups,
-    direction,
+    pool_address: tl.int64,
+    pool_row_bytes: tl.int64,
+    num_groups: tl.int32,
+    direction: tl.int32,
     TILE_BYTES: tl.constexpr,
     NARROW_BYTES: tl.constexpr,
 ):
@@ -157,18 +238,24 @@ def _copy_blocks_kernel(
         group_offsets_ptr: int64 ``[num_groups + 1]``, per job: pairs of group g are rows
             ``group_offsets[g]:group_offsets[g + 1]`` of the pair table.
         pool_address: int64 scalar, device-visible byte address of pool row 0.
-        pool_row_bytes: int scalar, bytes between pool rows.
-        num_groups: int scalar, number of cache groups (rows of group_table).
-        direction: int scalar, 0 = planes -> pool (store), 1 = pool -> planes (load).
+        pool_row_bytes: int64 scalar, bytes between pool rows.
+        num_groups: int32 scalar, number of cache groups (rows of group_table).
+        direction: int32 scalar, 0 = planes -> pool (store), 1 = pool -> planes (load).
         TILE_BYTES: constexpr, most bytes of one item; the tile table was cut with it.
         NARROW_BYTES: constexpr, lanes of the byte path.
+
+    Each program keeps two items in flight: the table rows of its next item (eight
+    scalar loads) are issued while the current item's 16-byte data loads are outstanding
+    and before its stores (on the narrower paths: before its copy), so the table latency
+    hides behind the data's instead of being paid once more per item.
     """
     pid = tl.program_id(0).to(tl.int64)
     num_programs = tl.num_programs(0).to(tl.int64)
+    to_pool = direction == 0
     # Items of all groups form one sequence; program `pid` owns items pid, pid + P, ...
     # `item_base` is the index of the current group's first item in that sequence.
     item_base = pid * 0
-    group = pid * 0
+    group = num_groups * 0
     while group < num_groups:
         pair_lo = tl.load(group_offsets_ptr + group)
         pair_hi = tl.load(group_offsets_ptr + group + 1)
@@ -176,41 +263,66 @@ def _copy_blocks_kernel(
         tile_row0 = tl.load(group_table_ptr + group * 2 + 1)
         num_items = (pair_hi - pair_lo) * tiles_per_pair
         item = (pid - item_base % num_programs + num_programs) % num_programs
+        # An item is (pair, tile of the pair). The grid stride P moves it by
+        # (P // tiles_per_pair) pairs and (P % tiles_per_pair) tiles with one carry, so
+        # the int64 divisions run once per group, not once per item. The max() only
+        # keeps a group without planes (no items) from dividing by zero.
+        divisor = tl.maximum(tiles_per_pair, 1)
+        pair = pair_lo + item // divisor
+        tile_in_pair = item % divisor
+        pair_step = num_programs // divisor
+        tile_step = num_programs % divisor
+        rows = _item_rows(
+            pairs_ptr, tile_table_ptr, pair, tile_row0 + tile_in_pair, item < num_items
+        )
         while item < num_items:
-            pair_in_group = item // tiles_per_pair
-            tile_row = tile_row0 + (item - pair_in_group * tiles_per_pair)
-            pair = pair_lo + pair_in_group
-            gpu_block = tl.load(pairs_ptr + pair * 3)
-            pool_row = tl.load(pairs_ptr + pair * 3 + 1)
-            slot = tl.load(pairs_ptr + pair * 3 + 2)
-            tile = tile_table_ptr + tile_row * 5
-            block0_address = tl.load(tile)
-            block_stride = tl.load(tile + 1)
-            pool_tile_offset = tl.load(tile + 2)
-            page_bytes = tl.load(tile + 3)
-            num_bytes = tl.load(tile + 4)
+            (
+                gpu_block,
+                pool_row,
+                slot,
+                block0_address,
+                block_stride,
+                pool_tile_offset,
+                page_bytes,
+                item_bytes,
+            ) = rows
             cache_address = block0_address + gpu_block * block_stride
             pool_page_address = (
                 pool_address + pool_row * pool_row_bytes + pool_tile_offset + slot * page_bytes
             )
-            to_pool = direction == 0
             src = tl.where(to_pool, cache_address, pool_page_address)
             dst = tl.where(to_pool, pool_page_address, cache_address)
+            # Position of the next item.
+            item += num_programs
+            tile_in_pair += tile_step
+            carry = tile_in_pair >= tiles_per_pair
+            tile_in_pair = tl.where(carry, tile_in_pair - tiles_per_pair, tile_in_pair)
+            pair += tl.where(carry, pair_step + 1, pair_step)
+            next_row = tile_row0 + tile_in_pair
+            valid = item < num_items
             alignment = src | dst
             if (alignment & 15) == 0:
-                _copy_words(src, dst, num_bytes // 16, 16, TILE_BYTES // 4)
-                done = (num_bytes // 16) * 16
-            elif (alignment & 7) == 0:
-                _copy_words(src, dst, num_bytes // 8, 8, TILE_BYTES // 4)
-                done = (num_bytes // 8) * 8
-            elif (alignment & 3) == 0:
-                _copy_words(src, dst, num_bytes // 4, 4, TILE_BYTES // 4)
-                done = (num_bytes // 4) * 4
+                # The common path, one step: an item is at most TILE_BYTES = LANES words.
+                # The next item's rows are loaded between this item's loads and stores.
+                lanes, mask = _wide_lanes(item_bytes // 16, TILE_BYTES // 16)
+                src_ptr = tl.multiple_of(src.to(tl.pointer_type(tl.int32)), 16)
+                dst_ptr = tl.multiple_of(dst.to(tl.pointer_type(tl.int32)), 16)
+                data = tl.load(src_ptr + lanes, mask=mask, eviction_policy="evict_first")
+                rows = _item_rows(pairs_ptr, tile_table_ptr, pair, next_row, valid)
+                tl.store(dst_ptr + lanes, data, mask=mask, eviction_policy="evict_first")
+                done = (item_bytes // 16) * 16
             else:
-                done = num_bytes * 0
+                rows = _item_rows(pairs_ptr, tile_table_ptr, pair, next_row, valid)
+                if (alignment & 7) == 0:
+                    _copy_words(src, dst, item_bytes // 8, 8, TILE_BYTES // 16)
+                    done = (item_bytes // 8) * 8
+                elif (alignment & 3) == 0:
+                    _copy_words(src, dst, item_bytes // 4, 4, TILE_BYTES // 16)
+                    done = (item_bytes // 4) * 4
+                else:
+                    done = item_bytes * 0
             # Tail shorter than one word, or the whole item when the addresses are odd.
-            _copy_words(src + done, dst + done, num_bytes - done, 1, NARROW_BYTES)
-            item += num_programs
+            _copy_words(src + done, dst + done, item_bytes - done, 1, NARROW_BYTES)
         item_base += num_items
         group += 1
 
@@ -218,13 +330,13 @@ def _copy_blocks_kernel(
 def default_num_programs(
     device: torch.device | str | int, mean_tile_bytes: int = TILE_BYTES
 ) -> int:
-    """Persistent-grid size: enough bytes in flight for PCIe, capped at the SM count.
+    """Persistent-grid size: enough bytes in flight for PCIe, at most two programs per SM.
 
     ``ceil(PCIE_IN_FLIGHT_TARGET_BYTES / mean_tile_bytes)`` programs (32 for full 8 KiB
-    tiles; see the constant for the reasoning), at most one per SM. ``mean_tile_bytes``
-    is the tables' mean item size (``CopyTables.mean_tile_bytes``): small pages leave
-    each program fewer bytes in flight, so they get more programs. Under the interpreter
-    (CPU tensors) a small grid keeps tests fast.
+    tiles; see the constant for the reasoning), at most ``MAX_PROGRAMS_PER_SM`` per SM.
+    ``mean_tile_bytes`` is the tables' mean item size (``CopyTables.mean_tile_bytes``):
+    small pages leave each program fewer bytes in flight, so they get more programs.
+    Under the interpreter (CPU tensors) a small grid keeps tests fast.
     """
     device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
     if _INTERPRETED or device.type != "cuda":
@@ -234,14 +346,49 @@ def default_num_programs(
 
 
 def grid_size(sm_count: int, mean_tile_bytes: int) -> int:
-    """The launch setting itself, a pure function: see ``PCIE_IN_FLIGHT_TARGET_BYTES``."""
+    """The launch setting itself, a pure function: see ``PCIE_IN_FLIGHT_TARGET_BYTES`` and
+    ``MAX_PROGRAMS_PER_SM``."""
     wanted = -(-PCIE_IN_FLIGHT_TARGET_BYTES // max(1, min(int(mean_tile_bytes), TILE_BYTES)))
-    return max(1, min(sm_count, wanted))
+    return max(1, min(MAX_PROGRAMS_PER_SM * sm_count, wanted))
 
 
 @functools.cache
 def _sm_count(index: int) -> int:
     return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
+def _empty_job(device: torch.device) -> tuple[object, ...]:
+    """Kernel arguments of a job with one group and no pairs, on ``device``.
+
+    The kernel reads this group's four table words and moves no byte. Fresh tables, like
+    a layout's; the values of the scalars do not matter (no argument is specialized).
+    """
+    return (
+        torch.zeros((1, 5), dtype=torch.int64, device=device),
+        torch.zeros((1, 2), dtype=torch.int64, device=device),
+        torch.zeros((1, 3), dtype=torch.int64, device=device),
+        torch.zeros(2, dtype=torch.int64, device=device),
+        0,  # pool address
+        0,  # pool row bytes
+        1,  # groups
+        0,  # direction: to the pool
+    )
+
+
+def warm_up(device: torch.device | str | int) -> None:
+    """Compile and load the copy kernel on ``device`` now, so the first job does not wait.
+
+    Launches an empty job (no byte moves) on the current stream of ``device``. No kernel
+    argument is specialized on its value or alignment and the launch options are the
+    ones :func:`launch_copy` uses, so the kernel compiled here is the one every later job
+    runs: a first compile costs ~1 s, mid-serving. Does nothing on CPU devices and under
+    the interpreter, where nothing is compiled.
+    """
+    device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    if _INTERPRETED or device.type != "cuda":
+        return
+    with torch.cuda.device(device):
+        _copy_blocks_kernel[(1,)](*_empty_job(device), **_LAUNCH_OPTIONS)
 
 
 def launch_copy(
@@ -273,9 +420,7 @@ def launch_copy(
         layout.pool_row_bytes,
         layout.num_groups,
         int(direction),
-        TILE_BYTES=TILE_BYTES,
-        NARROW_BYTES=NARROW_BYTES,
-        num_warps=NUM_WARPS,
+        **_LAUNCH_OPTIONS,
     )
 
 

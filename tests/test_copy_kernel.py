@@ -371,6 +371,23 @@ def test_row_strided_pool_leaves_the_gaps_alone(row_gap: int, direction: Directi
     run_and_check(case, pairs, offsets, direction)
 
 
+@pytest.mark.parametrize("direction", DIRECTIONS)
+@pytest.mark.parametrize("pool_shift", [1, 4, 8])
+def test_full_tiles_on_the_narrow_paths(pool_shift: int, direction: Direction) -> None:
+    # A full tile is 1,024 words on the 8-byte path, 2,048 on the 4-byte path and 8,192
+    # bytes on the byte path: several steps of each path's loop. TILE_BYTES + 13 adds a
+    # short second tile and a tail.
+    case = simple_case(
+        [(0, TILE_BYTES), (1, TILE_BYTES + 13)],
+        num_groups=2,
+        num_blocks=4,
+        pool_rows=4,
+        pool_shift=pool_shift,
+    )
+    pairs, offsets = random_pairs(case, [3, 2], torch.Generator().manual_seed(9))
+    run_and_check(case, pairs, offsets, direction)
+
+
 @pytest.mark.parametrize("num_programs", [1, 2, 5, 64])
 def test_any_grid_size_covers_every_item(num_programs: int) -> None:
     case = simple_case([(0, 64), (0, TILE_BYTES + 32), (1, 16)], num_groups=2, num_blocks=6)
@@ -451,11 +468,16 @@ def test_default_grid_on_cpu_is_small() -> None:
 
 
 def test_grid_keeps_enough_bytes_in_flight() -> None:
-    # 256 KiB in flight: 32 programs of full 8 KiB tiles, 128 of 2 KiB, capped by the SMs.
+    # 256 KiB in flight: 32 programs of full 8 KiB tiles, 128 of 2 KiB, 256 of 1 KiB;
+    # at most two programs per SM.
     assert grid_size(132, TILE_BYTES) == 32
     assert grid_size(132, 2048) == 128
-    assert grid_size(132, 1000) == 132
-    assert grid_size(16, TILE_BYTES) == 16
+    assert grid_size(132, 1024) == 256
+    assert grid_size(132, 1000) == 263  # ceil(262144 / 1000)
+    assert grid_size(132, 512) == 264  # 2 x 132 SMs
+    assert grid_size(132, 1) == 264
+    assert grid_size(16, TILE_BYTES) == 32
+    assert grid_size(8, TILE_BYTES) == 16
     assert grid_size(132, 10 * TILE_BYTES) == 32  # an item is never more than one tile
 
 

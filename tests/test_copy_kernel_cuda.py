@@ -156,7 +156,41 @@ def test_copy_blocks_device_to_device_many_layers() -> None:
 def test_default_grid_on_cuda() -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     full_tiles = PCIE_IN_FLIGHT_TARGET_BYTES // TILE_BYTES
-    assert default_num_programs(torch.device("cuda")) == min(sms, full_tiles)
-    # Smaller items: more programs to keep the same bytes in flight, never above the SMs.
-    assert default_num_programs("cuda", TILE_BYTES // 2) == min(sms, 2 * full_tiles)
-    assert default_num_programs("cuda", 1) == sms
+    assert default_num_programs(torch.device("cuda")) == min(2 * sms, full_tiles)
+    # Smaller items: more programs to keep the same bytes in flight, at most two per SM.
+    assert default_num_programs("cuda", TILE_BYTES // 2) == min(2 * sms, 2 * full_tiles)
+    assert default_num_programs("cuda", 1) == 2 * sms
+
+
+def test_warm_up_compiles_the_kernel_real_jobs_run() -> None:
+    # A job's pair table is often a slice: rows from `skip` on are 16-byte aligned only for
+    # even skips. After warm_up, jobs at every skip, both directions, must find the kernel
+    # warm_up compiled: none may compile another (~1 s mid-serving).
+    from triton_offload.kernels import copy_blocks as module
+
+    num_blocks, bpc, count = 64, 3, 20
+    tensors, planes, row_bytes = make_cache(PAGES, num_blocks, bpc)
+    rows = 3 * -(-count // bpc)
+    layout = CacheLayout.from_planes(
+        planes, num_groups=3, blocks_per_chunk=bpc, row_bytes=row_bytes, device="cuda"
+    )
+    tables = kernel_tables(layout, row_bytes, TILE_BYTES, torch.device("cuda"))
+    pairs, offsets = pairs_for(3, count, num_blocks, bpc)
+    expected = torch.zeros((rows, row_bytes), dtype=torch.uint8)
+    reference_copy([byte_plane(t.cpu()) for t in tensors], layout, pairs, offsets, expected, 0)
+    cache = module._copy_blocks_kernel.device_caches[torch.cuda.current_device()][0]
+    cache.clear()  # kernels compiled by earlier tests of this process
+    module.warm_up(torch.device("cuda"))
+    torch.cuda.synchronize()
+    assert len(cache) == 1
+    for skip in (0, 1, 2, 3):
+        table = torch.zeros((skip + pairs.shape[0], 3), dtype=torch.int64, device="cuda")
+        table[skip:] = pairs.cuda()
+        starts = torch.zeros(skip + offsets.shape[0], dtype=torch.int64, device="cuda")
+        starts[skip:] = offsets.cuda()
+        pool = torch.zeros((rows, row_bytes), dtype=torch.uint8, device="cuda")
+        launch_copy(tables, table[skip:], starts[skip:], pool.data_ptr(), Direction.TO_POOL)
+        launch_copy(tables, table[skip:], starts[skip:], pool.data_ptr(), Direction.FROM_POOL)
+        torch.cuda.synchronize()
+        assert torch.equal(pool.cpu(), expected)
+    assert len(cache) == 1
