@@ -85,3 +85,30 @@ def test_plan_imports_neither_torch_nor_triton() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert "heavy: []" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["bench", "--out", "README.md"], "--out README.md: exists and is not a folder"),
+        (["verify", "--blocks-per-chunk", "100000"], "--blocks-per-chunk 100000: chunks of up"),
+        (["plan", "--preset", "swa-hybrid", "--tp", "2", "--dcp", "4"], "--tp 2 is not divisible"),
+    ],
+)
+def test_user_errors_in_a_fresh_process_are_one_line(argv: list[str], named: str) -> None:
+    """What a user sees for each command: exit 2, one line naming the flag, no traceback."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    result = subprocess.run(
+        [sys.executable, "-m", "triton_offload", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=root,
+    )
+    assert result.returncode == 2, result
+    assert result.stdout == ""
+    lines = [x for x in result.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and named in lines[0], result.stderr
+    assert "Traceback" not in result.stderr

@@ -60,7 +60,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         type=int_at_least(1, "blocks per chunk"),
         default=None,
         metavar="N",
-        help="GPU blocks per offloaded chunk (default: 1 and 2)",
+        help="GPU blocks per offloaded chunk (default: 1 and 2); prompts grow with the chunk "
+        f"and a request may reach at most {MAX_REQUEST_TOKENS} tokens",
     )
     parser.add_argument(
         "--backend",
