@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import time
 import traceback
 import uuid
 from typing import Any
@@ -177,18 +178,24 @@ def _worker_body(
     worker = spec.get_worker(canonical(tensors))
     region = worker.region
     paths = [region.mmap_path] + ([worker.ledger.region.mmap_path] if worker.ledger else [])
-    linked_after_start = [os.path.exists(path) for path in paths]
     stride = row_stride(world_size, replicated)
     raw = region.base_tensor.view(torch.uint8).view(NUM_CHUNKS, stride)
     slot = 0 if replicated else rank
     if not replicated or rank == 0:
         raw[:, slot * CPU_PAGE : (slot + 1) * CPU_PAGE] = poison(slot)
     barrier.wait()
+    # The creator unlinks right after the region's barrier; by now it certainly has.
+    linked_after_start = [os.path.exists(path) for path in paths]
 
     gpu = GPULoadStoreSpec(STORE_BLOCKS, group_sizes=GROUP_SIZES, block_indices=BLOCK_INDICES)
+    if replicated and rank == 0:
+        # The writer comes late: the other ranks must not report the store before it.
+        time.sleep(0.2)
     assert worker.submit_store(7, gpu, CPULoadStoreSpec(CHUNKS))
     worker.wait({7})
     stored = [(r.job_id, r.success, r.transfer_size) for r in worker.get_finished()]
+    # What this rank's page holds the moment the store is reported.
+    at_report = raw[:, slot * CPU_PAGE : (slot + 1) * CPU_PAGE].clone()
     barrier.wait()  # every rank's store is in the region
     region_bytes = raw.clone()
 
@@ -205,8 +212,11 @@ def _worker_body(
         "num_chunks": spec.num_chunks,
         "stored": stored,
         "loaded": loaded,
-        "region": region_bytes,
-        "caches": tensors,
+        # numpy, not tensors: torch would share tensors through file descriptors that
+        # vanish with this process.
+        "region": region_bytes.numpy(),
+        "at_report": at_report.numpy(),
+        "caches": [tensor.numpy() for tensor in tensors],
         "linked_after_start": linked_after_start,
         "linked_after_shutdown": [os.path.exists(path) for path in paths],
     }
@@ -257,7 +267,12 @@ def run_workers(world_size: int, replicated: bool) -> list[dict[str, Any]]:
         os.path.exists(f"/dev/shm/vllm_offload_{engine_id}{suffix}.mmap")
         for suffix in ("", "_triton_stores")
     )
-    return [body for _, body in outcomes]
+    bodies = [body for _, body in outcomes]
+    for body in bodies:
+        body["region"] = torch.from_numpy(body["region"])
+        body["at_report"] = torch.from_numpy(body["at_report"])
+        body["caches"] = [torch.from_numpy(array) for array in body["caches"]]
+    return bodies
 
 
 def expected_region(world_size: int, replicated: bool) -> torch.Tensor:
@@ -309,6 +324,9 @@ def test_workers_share_one_region(world_size: int, replicated: bool) -> None:
         assert result["loaded"] == [(8, True, job_bytes())]
         # One mapping: every rank saw the same bytes, and they are the expected ones.
         assert torch.equal(result["region"], region), f"rank {rank}"
+        slot = 0 if replicated else rank
+        page = slice(slot * CPU_PAGE, (slot + 1) * CPU_PAGE)
+        assert torch.equal(result["at_report"], region[:, page]), f"rank {rank} reported early"
         for actual, expected in zip(
             result["caches"], expected_caches(rank, replicated), strict=True
         ):

@@ -330,8 +330,8 @@ def _row_bytes_view(tensor: Any, name: str) -> Any:
 
 def split_job(
     gpu_spec: Any, host_spec: Any, num_groups: int, blocks_per_chunk: int, what: str
-) -> tuple[list[Any], list[Any], list[int]]:
-    """Per-group (GPU block ids, host chunk ids, first block index) of one vLLM job.
+) -> Any:
+    """The ``JobSpec`` (per group: GPU block ids, host chunk ids, first index) of a vLLM job.
 
     vLLM orders both specs by group: group ``g`` has ``group_sizes[g]`` GPU blocks,
     the first at logical block ``block_indices[g]`` of its request, and, when
@@ -339,6 +339,8 @@ def split_job(
     (the first chunk's leading ``block_indices[g] % bpc`` slots are skipped).
     """
     import numpy as np
+
+    from triton_offload.jobs import JobSpec
 
     sizes = [int(size) for size in gpu_spec.group_sizes]
     starts = [int(index) for index in gpu_spec.block_indices]
@@ -368,7 +370,7 @@ def split_job(
     host_bounds = np.cumsum([0, *chunks])
     gpu_blocks = [gpu_ids[gpu_bounds[g] : gpu_bounds[g + 1]] for g in range(num_groups)]
     host_blocks = [host_ids[host_bounds[g] : host_bounds[g + 1]] for g in range(num_groups)]
-    return gpu_blocks, host_blocks, starts
+    return JobSpec(gpu_blocks, host_blocks, starts)
 
 
 # ------------------------------------------------------------------ the vLLM classes
@@ -453,9 +455,10 @@ def _build_classes() -> dict[str, type]:
 
         # ------------------------------------------------------------ job input
 
-        def _job(
-            self, what: str, gpu: tuple[str, Any], host: tuple[str, Any]
-        ) -> tuple[list[Any], list[Any], list[int]]:
+        def _job(self, what: str, gpu: tuple[str, Any], host: tuple[str, Any]) -> Any:
+            """The job's ``JobSpec`` over this worker's stage groups."""
+            from triton_offload.jobs import JobSpec
+
             (gpu_name, gpu_spec), (host_name, host_spec) = gpu, host
             if not isinstance(gpu_spec, api.GPULoadStoreSpec):
                 raise TypeError(
@@ -467,9 +470,9 @@ def _build_classes() -> dict[str, type]:
                     f"{what}: {host_name} must be vLLM's CPULoadStoreSpec (from this spec's "
                     f"manager), got {type(host_spec).__name__}"
                 )
-            gpu_blocks, host_blocks, starts = split_job(
-                gpu_spec, host_spec, self.num_groups, self.blocks_per_chunk, what
-            )
+            job = split_job(gpu_spec, host_spec, self.num_groups, self.blocks_per_chunk, what)
+            gpu_blocks, host_blocks = job.gpu_blocks, job.host_blocks
+            starts = job.first_block_index or (0,) * self.num_groups
             # Groups without layers here move nothing, but their chunk ids must still
             # be ones the manager can hand out.
             for group in range(self.num_groups):
@@ -482,8 +485,10 @@ def _build_classes() -> dict[str, type]:
                         f"{what}: host block id {int(bad[0])} of group {group} out of range "
                         f"[0, {self.num_chunks})"
                     )
+            if len(self.stage_groups) == self.num_groups:
+                return job
             stage = self.stage_groups
-            return (
+            return JobSpec(
                 [gpu_blocks[g] for g in stage],
                 [host_blocks[g] for g in stage],
                 [starts[g] for g in stage],
@@ -510,7 +515,7 @@ def _build_classes() -> dict[str, type]:
             if self._closed:
                 return False
             what = f"submit_store(job {job_id!r})"
-            gpu, host, first = self._job(what, ("src_spec", src_spec), ("dst_spec", dst_spec))
+            job = self._job(what, ("src_spec", src_spec), ("dst_spec", dst_spec))
             self._check_new(job_id, what)
             chunks = None
             if self.ledger is not None:
@@ -519,22 +524,18 @@ def _build_classes() -> dict[str, type]:
                 from triton_offload.vllm_region import check_ledger_job_id
 
                 check_ledger_job_id(job_id, what)
-                chunks = np.unique(np.concatenate([np.zeros(0, np.int64), *host]))
+                chunks = np.unique(np.concatenate([np.zeros(0, np.int64), *job.host_blocks]))
             if self.engine is None:
                 self._empty_jobs.append(api.TransferResult(job_id, True, 0, 0.0))
                 return True
             if not self.writer:
-                from triton_offload.engine import TO_POOL
+                from triton_offload.jobs import TO_POOL
 
                 # Same checks as a real store (the ids, the slots, aliasing), no copy.
-                self.engine.build_job_table(gpu, host, first, TO_POOL)
+                self.engine.build_job_table(job, TO_POOL)
                 self._replica_jobs[job_id] = chunks
                 return True
-            accepted = bool(
-                self.engine.submit_store(
-                    job_id, gpu_blocks=gpu, host_blocks=host, first_block_index=first
-                )
-            )
+            accepted = bool(self.engine.submit_store(job_id, job))
             if accepted:
                 self._engine_jobs.add(job_id)
                 if chunks is not None:
@@ -547,16 +548,12 @@ def _build_classes() -> dict[str, type]:
             if self._closed:
                 return False
             what = f"submit_load(job {job_id!r})"
-            gpu, host, first = self._job(what, ("dst_spec", dst_spec), ("src_spec", src_spec))
+            job = self._job(what, ("dst_spec", dst_spec), ("src_spec", src_spec))
             self._check_new(job_id, what)
             if self.engine is None:
                 self._empty_jobs.append(api.TransferResult(job_id, True, 0, 0.0))
                 return True
-            accepted = bool(
-                self.engine.submit_load(
-                    job_id, host_blocks=host, gpu_blocks=gpu, first_block_index=first
-                )
-            )
+            accepted = bool(self.engine.submit_load(job_id, job))
             if accepted:
                 self._engine_jobs.add(job_id)
             return accepted
