@@ -1,9 +1,10 @@
-"""vLLM integration: ``TritonOffloadingSpec``, a backend for vLLM's ``OffloadingConnector``.
+"""vLLM integration: ``TritonOffloadingSpec`` and ``TritonTieringOffloadingSpec``.
 
-Select it with ``kv_connector_extra_config = {"spec_name": "TritonOffloadingSpec",
-"spec_module_path": "triton_offload.vllm", "cpu_bytes_to_use": ...}`` (the module
-path may be left out once this package is installed: its ``vllm.general_plugins``
-entry point, :func:`register`, registers the name with vLLM's spec factory).
+Backends for vLLM's ``OffloadingConnector``. Select one with ``kv_connector_extra_config
+= {"spec_name": "TritonOffloadingSpec" (or "TritonTieringOffloadingSpec"),
+"spec_module_path": "triton_offload.vllm", "cpu_bytes_to_use": ...}`` (the module path
+may be left out once this package is installed: its ``vllm.general_plugins`` entry
+point, :func:`register`, registers both names with vLLM's spec factory).
 
 Supported: vLLM ``>=0.33,<0.34`` (the ``OffloadingSpec`` API of vllm 0.33: an
 ``OffloadingConfig`` in the constructor, ``CanonicalKVCaches`` in ``get_worker``,
@@ -11,21 +12,37 @@ explicit ``submit_store`` / ``submit_load``). Another version, or a build whose
 offloading module lacks one of the names used here, raises
 :class:`UnsupportedVLLMError` naming the version found and the supported range.
 
-Scheduler side: the spec *is* vLLM's ``CPUOffloadingSpec`` for everything the
-scheduler sees (its manager, chunk count, metrics, ``cpu_bytes_to_use``,
-``eviction_policy``, ``store_threshold``, ``max_tracker_size`` ...), so the host
-chunk ids handed out are vLLM's own. Worker side: ``get_worker`` turns vLLM's
-``CanonicalKVCaches`` into this project's byte planes and returns a
-:class:`TritonOffloadingWorker` that moves the blocks with a
-:class:`~triton_offload.engine.TransferEngine`; the engine's host pool has one row
-per CPU chunk id, sized exactly as vLLM's CPU spec counts its chunks.
+Scheduler side: the spec *is* vLLM's ``CPUOffloadingSpec`` (or ``TieringOffloadingSpec``,
+with its ``secondary_tiers``) for everything the scheduler sees: its manager, chunk
+count, metrics and keys, so the host chunk ids handed out are vLLM's own. Worker side:
+``get_worker`` maps vLLM's ``SharedOffloadRegion`` with the arguments vLLM's spec
+passes (``triton_offload.vllm_region``), page-locks this worker's part on CUDA, turns
+vLLM's ``CanonicalKVCaches`` into this project's byte planes and returns a
+:class:`TritonOffloadingWorker` whose :class:`~triton_offload.engine.TransferEngine`
+uses the worker's pages of the region as its row-strided pool. Its log line says how
+many bytes were mapped and locked and how long each took.
 
-Only this module of the package touches vllm. Importing it only checks that vllm is
-installed (ImportError naming the ``vllm`` extra otherwise); vLLM's offloading modules
-are imported, and the spec and worker classes built, on first access to
-``TritonOffloadingSpec`` / ``TritonOffloadingWorker``. The plugin's :func:`register`
-stays cheap and never fails the host process: it runs in every vLLM process at
-start-up.
+Decisions a user of vLLM's CPU spec would ask about:
+
+- The region is used on every platform (vLLM's CPU spec uses it only on CUDA and XPU),
+  so the single-copy ``replicated_layout`` holds everywhere and the chunk count is the
+  one vLLM's CPU spec computes on its region: one copy per chunk for replicated (MLA)
+  pages, else one per worker.
+- Under ``replicated_layout`` only rank 0 copies stores (the rank vLLM's connector
+  elects); another rank given a store reports it once the region's store ledger says
+  rank 0's copy finished (protocol and ordering in ``triton_offload.vllm_region``).
+  Every rank loads from the one copy.
+- An attention-free config (no group) builds, counts capacity as vLLM's CPU spec does
+  and gives a worker that maps and moves nothing. A group without layers on this
+  worker's pipeline stage is left out of the engine; its blocks are checked and skipped.
+- ``canonical_layout`` is refused: its pages are vLLM's canonical fragments, not this
+  project's rows.
+
+Only this module and ``triton_offload.vllm_region`` touch vllm. Importing this module
+only checks that vllm is installed (ImportError naming the ``vllm`` extra otherwise);
+vLLM's offloading modules are imported, and the classes built, on first access to a
+class name. The plugin's :func:`register` stays cheap and never fails the host
+process: it runs in every vLLM process at start-up.
 """
 
 from __future__ import annotations
