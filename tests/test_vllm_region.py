@@ -425,3 +425,75 @@ def test_a_stage_without_layers_of_a_group_moves_the_others() -> None:
         del raw
     finally:
         worker.shutdown()
+
+
+def test_the_plugin_registers_both_specs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    for name in (tv.SPEC_NAME, tv.TIERING_SPEC_NAME):
+        monkeypatch.delitem(OffloadingSpecFactory._registry, name, raising=False)
+    tv.register()
+    tv.register()  # twice in one process: no error
+    assert OffloadingSpecFactory.get_spec_cls({"spec_name": tv.TIERING_SPEC_NAME}) is (
+        tv.TritonTieringOffloadingSpec
+    )
+    assert issubclass(tv.TritonTieringOffloadingSpec, TieringOffloadingSpec)
+
+
+# ------------------------------------------------------------------ CUDA
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", ["triton", "dma"])
+def test_cuda_worker_locks_its_pages_and_moves_them(backend: str) -> None:
+    """On CUDA the region is page-locked, reached by the kernels, and unlocked at shutdown."""
+    spec = tv.TritonOffloadingSpec(make_config(extra={"backend": backend}))
+    caches = Caches()
+    for index, tensor in enumerate(caches.tensors):
+        caches.tensors[index] = tensor.cuda()
+    canonical = CanonicalKVCaches(
+        tensors=[CanonicalKVCacheTensor(t, PLANE) for t in caches.tensors],
+        group_data_refs=caches.canonical.group_data_refs,
+    )
+    worker = spec.get_worker(canonical)
+    region = worker.region
+    try:
+        assert region.is_pinned and region.pinned_addresses
+        assert worker.engine.pool.is_pinned()
+        raw = region.base_tensor.view(torch.uint8).view(spec.num_chunks, -1)
+        raw.fill_(0x5A)
+        before = raw.clone()
+        job = GPULoadStoreSpec([4, 5, 7], group_sizes=[2, 1], block_indices=[0, 1])
+        assert worker.submit_store(1, job, CPULoadStoreSpec([3, 2]))
+        worker.wait({1})
+        (result,) = worker.get_finished()
+        assert result.success
+        torch.cuda.synchronize()
+        expected = before.clone()
+        for chunk, slot, block, tensors in [
+            (3, 0, 4, (0, 1)),
+            (3, 1, 5, (0, 1)),
+            (2, 1, 7, (2, 3)),
+        ]:
+            for plane, tensor in enumerate(tensors):
+                start = plane * BPC * PLANE + slot * PLANE
+                expected[chunk, start : start + PLANE] = (
+                    caches.tensors[tensor][block].cpu().view(torch.uint8)
+                )
+        assert torch.equal(raw, expected)
+        sources = [t.clone() for t in caches.tensors]
+        for tensor in caches.tensors:
+            tensor[[0, 1, 2]] = 0x11
+        load = GPULoadStoreSpec([0, 1, 2], group_sizes=[2, 1], block_indices=[0, 1])
+        assert worker.submit_load(2, CPULoadStoreSpec([3, 2]), load)
+        worker.wait({2})
+        (result,) = worker.get_finished()
+        assert result.success
+        torch.cuda.synchronize()
+        for tensor, source, blocks in [(0, 0, (4, 5)), (1, 1, (4, 5)), (2, 2, (7,)), (3, 3, (7,))]:
+            for target, block in zip((0, 1) if len(blocks) == 2 else (2,), blocks, strict=True):
+                assert torch.equal(caches.tensors[tensor][target], sources[source][block])
+        del raw, before, expected
+    finally:
+        worker.shutdown()
+    assert not region.is_pinned and region.pinned_addresses == []
