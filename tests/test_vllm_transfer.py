@@ -242,7 +242,7 @@ def _run(
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize("blocks_per_chunk", [1, 3])
-@pytest.mark.parametrize("page", [512, 1024, 200])
+@pytest.mark.parametrize("page", [512, 200])
 @pytest.mark.parametrize("store", [True, False], ids=["store", "load"])
 def test_transfer(variant: str, blocks_per_chunk: int, page: int, store: bool) -> None:
     """Random blocks to random chunks, the first chunk entered after bpc - 1 slots."""
