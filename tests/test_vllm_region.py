@@ -497,3 +497,19 @@ def test_cuda_worker_locks_its_pages_and_moves_them(backend: str) -> None:
     finally:
         worker.shutdown()
     assert not region.is_pinned and region.pinned_addresses == []
+
+
+def test_the_writer_publishes_finished_stores_before_shutting_down() -> None:
+    spec = tv.TritonOffloadingSpec(make_config(world_size=2, rank=0, replicated=True))
+    worker = spec.get_worker(Caches().canonical)
+    reader = vllm_region.StoreLedger(spec.config.engine_id, spec.num_chunks, None)
+    try:
+        assert worker.writer is True
+        job = GPULoadStoreSpec([0, 1], group_sizes=[2, 0], block_indices=[0, 0])
+        assert worker.submit_store(4, job, CPULoadStoreSpec([5]))
+        assert reader.status(np.array([5]), 4) is None  # published when reported
+        worker.shutdown()
+        assert reader.status(np.array([5]), 4) is True
+    finally:
+        worker.shutdown()
+        reader.close()

@@ -636,12 +636,18 @@ def _build_classes() -> dict[str, type]:
             if self._closed:
                 return
             self._closed = True
-            engine, self.engine = self.engine, None
+            engine = self.engine
             try:
                 if engine is not None:
+                    if self._published:
+                        # Ranks waiting for these stores learn of them before the
+                        # ledger goes away.
+                        engine.wait(list(self._published))
+                        self._drain_engine()
                     engine.shutdown()
             finally:
                 # The engine's pool is a view of the region: drop it before unmapping.
+                self.engine = None
                 del engine
                 if self.ledger is not None:
                     self.ledger.close()
