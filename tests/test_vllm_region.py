@@ -193,17 +193,19 @@ def test_worker_logs_the_region_and_shutdown_releases_it(
         worker = spec.get_worker(Caches().canonical)
     region = worker.region
     path = region.mmap_path
-    assert path == f"/dev/shm/vllm_offload_{spec.config.engine_id}.mmap"
-    # No barrier outside vLLM's process groups: the creator unlinks it at shutdown.
-    assert os.path.exists(path)
-    message = caplog.text
-    assert path in message
-    assert "0.00 GiB mapped in" in message  # 8 chunks of 4 KiB
-    assert "0.00 GiB page-locked in" in message  # nothing is locked on CPU
-    assert "8 host chunks, row stride 4096 bytes, 4096-byte pages" in message
-    assert worker.engine.pool.stride() == (4096, 1)
-    assert worker.engine.pool.shape == (8, 2048)  # a group's row: 2 planes x 2 pages
-    worker.shutdown()
+    try:
+        assert path == f"/dev/shm/vllm_offload_{spec.config.engine_id}.mmap"
+        # No barrier outside vLLM's process groups: the creator unlinks it at shutdown.
+        assert os.path.exists(path)
+        message = caplog.text
+        assert path in message
+        assert "0.00 GiB mapped in" in message  # 8 chunks of 4 KiB
+        assert "0.00 GiB page-locked in" in message  # nothing is locked on CPU
+        assert "8 host chunks, row stride 4096 bytes, 4096-byte pages" in message
+        assert worker.engine.pool.stride() == (4096, 1)
+        assert worker.engine.pool.shape == (8, 2048)  # a group's row: 2 planes x 2 pages
+    finally:
+        worker.shutdown()
     assert region.mmap_obj is None and region.fd is None  # unmapped, not kept
     assert not os.path.exists(path)
     assert worker.region is None and worker.engine is None
