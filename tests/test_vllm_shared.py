@@ -12,7 +12,9 @@ gives) and every rank's GPU caches after the load.
 With ``replicated_layout`` there is one copy per chunk: only rank 0 copies, the other
 ranks hold *different* bytes in their caches (so a rank that wrongly copied would show
 in the region) and report the store only once the ledger says rank 0's copy is there;
-every rank then loads rank 0's bytes.
+every rank then loads rank 0's bytes. Both specs run it: ``TritonTieringOffloadingSpec``
+maps the region as vLLM's tiering worker does (no barrier; it stays linked until its
+creator shuts down, since vLLM's scheduler maps it too).
 """
 
 from __future__ import annotations
@@ -168,12 +170,12 @@ def poison(slot: int) -> int:
 
 
 def _worker_body(
-    rank: int, world_size: int, replicated: bool, engine_id: str, barrier: Any
+    rank: int, world_size: int, replicated: bool, engine_id: str, barrier: Any, spec_name: str
 ) -> dict[str, Any]:
     torch.set_num_threads(1)
-    config = make_config(rank, world_size, replicated, engine_id, tv.SPEC_NAME)
-    spec = tv.TritonOffloadingSpec(config)
-    spec.region_barrier = barrier.wait
+    config = make_config(rank, world_size, replicated, engine_id, spec_name)
+    spec = getattr(tv, spec_name)(config)
+    spec.region_barrier = barrier.wait  # the tiering spec's region takes none (as vLLM's)
     tensors = make_tensors(source_seed(rank, replicated))
     worker = spec.get_worker(canonical(tensors))
     region = worker.region
@@ -184,7 +186,9 @@ def _worker_body(
     if not replicated or rank == 0:
         raw[:, slot * CPU_PAGE : (slot + 1) * CPU_PAGE] = poison(slot)
     barrier.wait()
-    # The creator unlinks right after the region's barrier; by now it certainly has.
+    # The creator unlinks right after the region's barrier; by now it certainly has
+    # (the tiering spec's region, shared with the scheduler, stays linked until the
+    # creator's shutdown, as vLLM's does).
     linked_after_start = [os.path.exists(path) for path in paths]
 
     gpu = GPULoadStoreSpec(STORE_BLOCKS, group_sizes=GROUP_SIZES, block_indices=BLOCK_INDICES)
@@ -218,15 +222,21 @@ def _worker_body(
         "at_report": at_report.numpy(),
         "caches": [tensor.numpy() for tensor in tensors],
         "linked_after_start": linked_after_start,
-        "linked_after_shutdown": [os.path.exists(path) for path in paths],
     }
 
 
 def _worker_main(
-    rank: int, world_size: int, replicated: bool, engine_id: str, barrier: Any, conn: Any
+    rank: int,
+    world_size: int,
+    replicated: bool,
+    engine_id: str,
+    barrier: Any,
+    spec_name: str,
+    conn: Any,
 ) -> None:
     try:
-        conn.send(("ok", _worker_body(rank, world_size, replicated, engine_id, barrier)))
+        body = _worker_body(rank, world_size, replicated, engine_id, barrier, spec_name)
+        conn.send(("ok", body))
     except BaseException:
         # Release the other ranks from the barrier instead of leaving them to time out.
         barrier.abort()
@@ -235,7 +245,7 @@ def _worker_main(
         conn.close()
 
 
-def run_workers(world_size: int, replicated: bool) -> list[dict[str, Any]]:
+def run_workers(world_size: int, replicated: bool, spec_name: str) -> list[dict[str, Any]]:
     context = multiprocessing.get_context("fork")
     barrier = context.Barrier(world_size, timeout=TIMEOUT_S)
     engine_id = f"shared-{uuid.uuid4()}"
@@ -243,7 +253,7 @@ def run_workers(world_size: int, replicated: bool) -> list[dict[str, Any]]:
     processes = [
         context.Process(
             target=_worker_main,
-            args=(rank, world_size, replicated, engine_id, barrier, pipes[rank][1]),
+            args=(rank, world_size, replicated, engine_id, barrier, spec_name, pipes[rank][1]),
             daemon=True,
         )
         for rank in range(world_size)
@@ -314,8 +324,9 @@ def job_bytes() -> int:
 
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("replicated", [False, True], ids=["per-worker", "replicated"])
-def test_workers_share_one_region(world_size: int, replicated: bool) -> None:
-    results = run_workers(world_size, replicated)
+@pytest.mark.parametrize("spec_name", ["TritonOffloadingSpec", "TritonTieringOffloadingSpec"])
+def test_workers_share_one_region(world_size: int, replicated: bool, spec_name: str) -> None:
+    results = run_workers(world_size, replicated, spec_name)
     region = expected_region(world_size, replicated)
     for rank, result in enumerate(results):
         assert result["num_chunks"] == NUM_CHUNKS
@@ -332,8 +343,9 @@ def test_workers_share_one_region(world_size: int, replicated: bool) -> None:
         ):
             assert torch.equal(actual, expected), f"rank {rank}"
         # Unlinked once every worker had mapped it: nothing left behind by a crash.
-        assert result["linked_after_start"] == [False] * len(result["linked_after_start"])
-        assert result["linked_after_shutdown"] == result["linked_after_start"]
+        # (run_workers checks that nothing is left after every worker shut down.)
+        tiering = spec_name == "TritonTieringOffloadingSpec"
+        assert result["linked_after_start"] == [tiering] * len(result["linked_after_start"])
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4, 8])
@@ -357,3 +369,16 @@ def test_chunk_count_is_vllms_on_its_shared_region(
     copies = 1 if replicated else world_size
     assert ours.num_chunks == (1 << 20) // _round_up(CPU_PAGE * copies, PAGE)
     assert ours.cpu_page_size_per_worker == CPU_PAGE
+
+
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+@pytest.mark.parametrize("spec_name", ["TritonOffloadingSpec", "TritonTieringOffloadingSpec"])
+def test_replicated_sizing_removes_the_world_factor(world_size: int, spec_name: str) -> None:
+    """vLLM's own sizing case: one page per block, room for 8 single-copy chunks."""
+    config = make_config(0, world_size, True, "sizing", spec_name)
+    fields = {**config.__dict__, "worker_kv_bytes_per_block": PAGE}
+    fields["extra_config"] = {"cpu_bytes_to_use": 8 * PAGE * BPC}
+    spec = getattr(tv, spec_name)(type(config)(**fields))
+    assert spec.replicated_layout is True
+    assert spec.cpu_page_size_per_worker == spec.kv_bytes_per_chunk == PAGE * BPC
+    assert spec.num_chunks == 8
