@@ -515,3 +515,15 @@ def test_the_writer_publishes_finished_stores_before_shutting_down() -> None:
     finally:
         worker.shutdown()
         reader.close()
+
+
+def test_unlocking_uses_the_binding_that_locked() -> None:
+    region = _fake_region(PLAN.total_bytes)
+    cuda = FakeCuda()
+    vllm_region.lock_worker_pages(region, PLAN, cuda, piece_bytes=2 * PAGE)
+    locked = list(region.pinned_addresses)
+    vllm_region.unlock_worker_pages(region, cuda)
+    assert cuda.unregistered == locked[::-1]
+    assert region.pinned_addresses == [] and not region.is_pinned
+    vllm_region.unlock_worker_pages(region, cuda)  # idempotent
+    assert cuda.unregistered == locked[::-1]

@@ -419,6 +419,15 @@ def _validate_cpu_bytes(extra: Mapping[str, Any]) -> None:
         )
 
 
+def _release_region(region: Any, cuda_api: Any) -> None:
+    """Unlock (with the binding that locked it), then vLLM's clean-up: unmap, unlink."""
+    from triton_offload.vllm_region import unlock_worker_pages
+
+    if cuda_api is not None:
+        unlock_worker_pages(region, cuda_api)
+    region.cleanup()
+
+
 def _build_classes() -> dict[str, type]:
     api = import_vllm_api()
 
@@ -453,6 +462,7 @@ def _build_classes() -> dict[str, type]:
             region: Any = None,
             writer: bool = True,
             ledger: Any = None,
+            cuda_api: Any = None,
         ) -> None:
             self.engine = engine
             self.num_groups = num_groups
@@ -462,6 +472,7 @@ def _build_classes() -> dict[str, type]:
             self.region = region
             self.writer = writer
             self.ledger = ledger
+            self._cuda_api = cuda_api  # what locked the region's pages (CUDA only)
             self._closed = False
             # Jobs accepted and not yet reported, by kind.
             self._engine_jobs: set[Any] = set()
@@ -653,7 +664,7 @@ def _build_classes() -> dict[str, type]:
                     self.ledger.close()
                     self.ledger = None
                 if self.region is not None:
-                    self.region.cleanup()
+                    _release_region(self.region, self._cuda_api)
                     self.region = None
 
     class _TritonWorkerSide:
@@ -790,6 +801,7 @@ def _build_classes() -> dict[str, type]:
             ledger = None
             engine = None
             locked = 0
+            api_used = None
             try:
                 if region_plan.replicated and region_plan.world_size > 1:
                     ledger = StoreLedger(region_plan.engine_id, region_plan.num_chunks, barrier)
@@ -799,8 +811,9 @@ def _build_classes() -> dict[str, type]:
 
                     from triton_offload.pool import cuda_api
 
+                    api_used = cuda_api()
                     with torch.cuda.device(layout.device):
-                        locked = lock_worker_pages(region, region_plan, cuda_api())
+                        locked = lock_worker_pages(region, region_plan, api_used)
                 ready = time.perf_counter()
                 if layout is not None:
                     from triton_offload.engine import TransferEngine
@@ -823,7 +836,7 @@ def _build_classes() -> dict[str, type]:
             except BaseException:
                 if ledger is not None:
                     ledger.close()
-                region.cleanup()
+                _release_region(region, api_used)
                 raise
             role = (
                 "writes replicated chunks"
@@ -863,6 +876,7 @@ def _build_classes() -> dict[str, type]:
                 region=region,
                 writer=region_plan.writer,
                 ledger=ledger,
+                cuda_api=api_used,
             )
 
     class TritonOffloadingSpec(_TritonWorkerSide, api.CPUOffloadingSpec):  # type: ignore[name-defined]

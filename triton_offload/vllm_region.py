@@ -14,8 +14,9 @@ Page-locking (:func:`lock_worker_pages`) happens on CUDA only: the pages a worke
 touches are registered with ``cudaHostRegister`` in pieces (its own page of every row
 when the other workers' pages leave at least ``MIN_SLOT_LOCK_SAVING`` bytes per row
 unlocked, else the whole region in row-aligned pieces of at most
-``DEFAULT_PIECE_BYTES``), and the region records them so that its own ``cleanup()``
-unlocks them, as vLLM's worker does. On CPU the region is mapped, not locked.
+``DEFAULT_PIECE_BYTES``). The region records the pieces as vLLM's worker does; at
+shutdown :func:`unlock_worker_pages` unlocks them with the binding that locked them,
+then ``region.cleanup()`` unmaps and unlinks. On CPU the region is mapped, not locked.
 
 **Replicated layout.** With ``replicated_layout`` (MLA: every worker's pages are
 byte-identical) there is one copy per chunk, in worker slot 0, and only rank 0 (the
@@ -262,6 +263,18 @@ def lock_worker_pages(
     return total
 
 
+def unlock_worker_pages(region: Any, api: Any) -> None:
+    """Unlock what :func:`lock_worker_pages` locked, with the same binding (idempotent).
+
+    Done before ``region.cleanup()`` (which then finds nothing to unlock), so the pages
+    are unlocked even where vLLM's own helper would not find the CUDA runtime.
+    """
+    for address in reversed(region.pinned_addresses):
+        api.unregister(address)
+    region.pinned_addresses.clear()
+    region.is_pinned = False
+
+
 class StoreLedger:
     """Per-chunk record of the writer's finished store jobs, shared by an engine's workers.
 
@@ -366,6 +379,7 @@ __all__ = [
     "lock_ranges",
     "lock_worker_pages",
     "memory_fence",
+    "unlock_worker_pages",
     "wait_until",
     "worker_pool_view",
 ]
