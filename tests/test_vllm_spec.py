@@ -324,19 +324,24 @@ def test_create_spec_hybrid_dcp2_is_cheap_and_keeps_spans(tv: Any) -> None:
 
 
 @needs_vllm
-def test_replicated_layout_is_turned_off(tv: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_replicated_layout_keeps_one_copy_per_chunk(
+    tv: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
-    # As on CUDA, where vLLM's CPU spec would keep a single shared copy.
-    monkeypatch.setattr(CPUOffloadingSpec, "_uses_shared_region", lambda self: True)
     config = _config(replicated_layout=True, worker_kv_bytes_per_block=1500)
-    single_copy = CPUOffloadingSpec(config)
-    assert single_copy.replicated_layout is True
-    assert single_copy.num_chunks == CPU_BYTES // 4096  # one copy: 3000 -> 4096 bytes
     spec = tv.TritonOffloadingSpec(config)
-    assert spec.replicated_layout is False
-    # Every worker keeps its own pages: a chunk is 1500 x 2 workers x 2 blocks -> 8192.
-    assert spec.num_chunks == CPU_BYTES // 8192
+    assert spec.replicated_layout is True
+    # One copy: 1500 x 2 blocks = 3000 -> 4096 bytes per chunk, whatever the workers.
+    assert (spec.cpu_page_size_per_worker, spec.kv_bytes_per_chunk) == (3000, 4096)
+    assert spec.num_chunks == CPU_BYTES // 4096
+    # vLLM's CPU spec keeps one copy only where it uses its shared region (CUDA);
+    # this spec uses that region on every platform.
+    monkeypatch.setattr(CPUOffloadingSpec, "_uses_shared_region", lambda self: False)
+    private = CPUOffloadingSpec(config)
+    assert private.replicated_layout is False
+    assert private.num_chunks == CPU_BYTES // 8192
+    assert tv.TritonOffloadingSpec(config).num_chunks == CPU_BYTES // 4096
 
 
 @needs_vllm
@@ -616,14 +621,18 @@ def test_every_abstract_method_of_vllm_is_implemented_here(tv: Any) -> None:
     """Fails when vLLM's OffloadingSpec / OffloadingWorker gain an abstract method."""
     pairs = [
         (OffloadingSpec, tv.TritonOffloadingSpec),
+        (OffloadingSpec, tv.TritonTieringOffloadingSpec),
         (OffloadingWorker, tv.TritonOffloadingWorker),
     ]
     for base, cls in pairs:
         assert issubclass(cls, base)
         assert not cls.__abstractmethods__, f"{cls.__name__} misses {set(cls.__abstractmethods__)}"
         for name in sorted(base.__abstractmethods__):
-            # Defined by this project's class itself, not inherited from vLLM's CPU spec.
-            assert name in cls.__dict__, f"{cls.__name__} does not implement {base.__name__}.{name}"
+            # Defined by this project's classes, not inherited from vLLM's CPU spec.
+            owner = next(k for k in cls.__mro__ if name in k.__dict__)
+            assert owner.__module__ == MODULE, (
+                f"{cls.__name__} does not implement {base.__name__}.{name} ({owner.__name__} does)"
+            )
             ours = inspect.signature(getattr(cls, name)).parameters
             theirs = inspect.signature(getattr(base, name)).parameters
             assert list(ours)[: len(theirs)] == list(theirs), (cls.__name__, name)

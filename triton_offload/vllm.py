@@ -1,9 +1,10 @@
-"""vLLM integration: ``TritonOffloadingSpec``, a backend for vLLM's ``OffloadingConnector``.
+"""vLLM integration: ``TritonOffloadingSpec`` and ``TritonTieringOffloadingSpec``.
 
-Select it with ``kv_connector_extra_config = {"spec_name": "TritonOffloadingSpec",
-"spec_module_path": "triton_offload.vllm", "cpu_bytes_to_use": ...}`` (the module
-path may be left out once this package is installed: its ``vllm.general_plugins``
-entry point, :func:`register`, registers the name with vLLM's spec factory).
+Backends for vLLM's ``OffloadingConnector``. Select one with ``kv_connector_extra_config
+= {"spec_name": "TritonOffloadingSpec" (or "TritonTieringOffloadingSpec"),
+"spec_module_path": "triton_offload.vllm", "cpu_bytes_to_use": ...}`` (the module path
+may be left out once this package is installed: its ``vllm.general_plugins`` entry
+point, :func:`register`, registers both names with vLLM's spec factory).
 
 Supported: vLLM ``>=0.33,<0.34`` (the ``OffloadingSpec`` API of vllm 0.33: an
 ``OffloadingConfig`` in the constructor, ``CanonicalKVCaches`` in ``get_worker``,
@@ -11,21 +12,37 @@ explicit ``submit_store`` / ``submit_load``). Another version, or a build whose
 offloading module lacks one of the names used here, raises
 :class:`UnsupportedVLLMError` naming the version found and the supported range.
 
-Scheduler side: the spec *is* vLLM's ``CPUOffloadingSpec`` for everything the
-scheduler sees (its manager, chunk count, metrics, ``cpu_bytes_to_use``,
-``eviction_policy``, ``store_threshold``, ``max_tracker_size`` ...), so the host
-chunk ids handed out are vLLM's own. Worker side: ``get_worker`` turns vLLM's
-``CanonicalKVCaches`` into this project's byte planes and returns a
-:class:`TritonOffloadingWorker` that moves the blocks with a
-:class:`~triton_offload.engine.TransferEngine`; the engine's host pool has one row
-per CPU chunk id, sized exactly as vLLM's CPU spec counts its chunks.
+Scheduler side: the spec *is* vLLM's ``CPUOffloadingSpec`` (or ``TieringOffloadingSpec``,
+with its ``secondary_tiers``) for everything the scheduler sees: its manager, chunk
+count, metrics and keys, so the host chunk ids handed out are vLLM's own. Worker side:
+``get_worker`` maps vLLM's ``SharedOffloadRegion`` with the arguments vLLM's spec
+passes (``triton_offload.vllm_region``), page-locks this worker's part on CUDA, turns
+vLLM's ``CanonicalKVCaches`` into this project's byte planes and returns a
+:class:`TritonOffloadingWorker` whose :class:`~triton_offload.engine.TransferEngine`
+uses the worker's pages of the region as its row-strided pool. Its log line says how
+many bytes were mapped and locked and how long each took.
 
-Only this module of the package touches vllm. Importing it only checks that vllm is
-installed (ImportError naming the ``vllm`` extra otherwise); vLLM's offloading modules
-are imported, and the spec and worker classes built, on first access to
-``TritonOffloadingSpec`` / ``TritonOffloadingWorker``. The plugin's :func:`register`
-stays cheap and never fails the host process: it runs in every vLLM process at
-start-up.
+Decisions a user of vLLM's CPU spec would ask about:
+
+- The region is used on every platform (vLLM's CPU spec uses it only on CUDA and XPU),
+  so the single-copy ``replicated_layout`` holds everywhere and the chunk count is the
+  one vLLM's CPU spec computes on its region: one copy per chunk for replicated (MLA)
+  pages, else one per worker.
+- Under ``replicated_layout`` only rank 0 copies stores (the rank vLLM's connector
+  elects); another rank given a store reports it once the region's store ledger says
+  rank 0's copy finished (protocol and ordering in ``triton_offload.vllm_region``).
+  Every rank loads from the one copy.
+- An attention-free config (no group) builds, counts capacity as vLLM's CPU spec does
+  and gives a worker that maps and moves nothing. A group without layers on this
+  worker's pipeline stage is left out of the engine; its blocks are checked and skipped.
+- ``canonical_layout`` is refused: its pages are vLLM's canonical fragments, not this
+  project's rows.
+
+Only this module and ``triton_offload.vllm_region`` touch vllm. Importing this module
+only checks that vllm is installed (ImportError naming the ``vllm`` extra otherwise);
+vLLM's offloading modules are imported, and the classes built, on first access to a
+class name. The plugin's :func:`register` stays cheap and never fails the host
+process: it runs in every vLLM process at start-up.
 """
 
 from __future__ import annotations
@@ -36,6 +53,7 @@ import importlib.metadata
 import importlib.util
 import logging
 import re
+import time
 from collections.abc import Iterable, Mapping
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
@@ -54,8 +72,9 @@ SUPPORTED_VLLM_MIN = (0, 33)
 SUPPORTED_VLLM_MAX = (0, 34)
 SUPPORTED_VLLM = ">=0.33,<0.34"
 
-#: The name under which :func:`register` adds the spec to vLLM's factory.
+#: The names under which :func:`register` adds the specs to vLLM's factory.
 SPEC_NAME = "TritonOffloadingSpec"
+TIERING_SPEC_NAME = "TritonTieringOffloadingSpec"
 
 #: Extra-config keys read by this spec on top of vLLM's CPU spec keys.
 EXTRA_CONFIG_KEYS = ("backend", "num_programs", "crossover")
@@ -115,6 +134,7 @@ _VLLM_NAMES: tuple[tuple[str, str], ...] = (
     ("vllm.v1.kv_offload.config", "OffloadingConfig"),
     ("vllm.v1.kv_offload.cpu.common", "CPULoadStoreSpec"),
     ("vllm.v1.kv_offload.cpu.spec", "CPUOffloadingSpec"),
+    ("vllm.v1.kv_offload.tiering.spec", "TieringOffloadingSpec"),
 )
 
 
@@ -161,11 +181,12 @@ def register() -> None:
             SPEC_NAME,
         )
         return
-    try:
-        OffloadingSpecFactory.register_spec(SPEC_NAME, __name__, SPEC_NAME)
-    except ValueError:
-        # Already registered in this process (plugins may load more than once).
-        logger.debug("%s is already registered with vLLM's OffloadingSpecFactory", SPEC_NAME)
+    for name in (SPEC_NAME, TIERING_SPEC_NAME):
+        try:
+            OffloadingSpecFactory.register_spec(name, __name__, name)
+        except ValueError:
+            # Already registered in this process (plugins may load more than once).
+            logger.debug("%s is already registered with vLLM's OffloadingSpecFactory", name)
 
 
 # ----------------------------------------------------------------------------- config
@@ -371,36 +392,101 @@ def split_job(
 
 # ------------------------------------------------------------------ the vLLM classes
 
-_LAZY_NAMES = ("TritonOffloadingSpec", "TritonOffloadingWorker")
+_LAZY_NAMES = ("TritonOffloadingSpec", "TritonOffloadingWorker", "TritonTieringOffloadingSpec")
 if TYPE_CHECKING:
     TritonOffloadingSpec: type
     TritonOffloadingWorker: type
+    TritonTieringOffloadingSpec: type
 
 _classes: dict[str, type] | None = None
+
+
+def _validate_cpu_bytes(extra: Mapping[str, Any]) -> None:
+    cpu_bytes = extra.get("cpu_bytes_to_use")
+    if isinstance(cpu_bytes, bool) or not isinstance(cpu_bytes, (int, float, str)):
+        raise ValueError(
+            "kv_connector_extra_config['cpu_bytes_to_use'] (host bytes for all "
+            f"workers together) must be given as a positive integer, got {cpu_bytes!r}"
+        )
+    try:
+        value = int(cpu_bytes)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(
+            "kv_connector_extra_config['cpu_bytes_to_use'] must be a positive "
+            f"integer, got {cpu_bytes!r}"
+        )
+
+
+def _release_region(region: Any, cuda_api: Any) -> None:
+    """Unlock (with the binding that locked it), then vLLM's clean-up: unmap, unlink."""
+    from triton_offload.vllm_region import unlock_worker_pages
+
+    if cuda_api is not None:
+        unlock_worker_pages(region, cuda_api)
+    region.cleanup()
 
 
 def _build_classes() -> dict[str, type]:
     api = import_vllm_api()
 
     class TritonOffloadingWorker(api.OffloadingWorker):  # type: ignore[name-defined]
-        """vLLM ``OffloadingWorker`` backed by a ``TransferEngine``.
+        """vLLM ``OffloadingWorker`` backed by a ``TransferEngine`` on vLLM's shared region.
 
         ``submit_store(job_id, GPULoadStoreSpec, CPULoadStoreSpec)`` and
         ``submit_load(job_id, CPULoadStoreSpec, GPULoadStoreSpec)`` check the spec
         types (TypeError) and the block counts (ValueError) before any byte moves;
         ``get_finished`` returns each job once as vLLM's ``TransferResult``; ``wait``
         blocks on jobs still in flight (ids already reported are ignored, as vLLM's
-        CPU worker does); ``shutdown`` waits for running jobs and frees the pool.
+        CPU worker does); ``shutdown`` waits for running jobs, then releases the
+        region as vLLM's CPU worker does (unlock, unmap, unlink if still linked).
         An expedited load runs on the engine's load stream like any other load.
+
+        ``stage_groups``: the config's groups that have layers on this worker (a
+        pipeline stage may hold none of a group); the engine covers only those, and
+        blocks of the others are checked and skipped. Without any such group there is
+        no engine and every job moves nothing. Under the replicated layout a rank
+        other than 0 copies no store: it reports the job when the store ledger says
+        rank 0's bytes are in the region (see ``triton_offload.vllm_region``).
         """
 
-        def __init__(self, engine: Any) -> None:
+        def __init__(
+            self,
+            engine: Any,
+            *,
+            num_groups: int,
+            stage_groups: tuple[int, ...],
+            blocks_per_chunk: int,
+            num_chunks: int,
+            region: Any = None,
+            writer: bool = True,
+            ledger: Any = None,
+            cuda_api: Any = None,
+        ) -> None:
             self.engine = engine
-            self.blocks_per_chunk: int = engine.blocks_per_chunk
-            self.num_groups: int = engine.num_groups
-            self._in_flight: set[Any] = set()
+            self.num_groups = num_groups
+            self.stage_groups = stage_groups
+            self.blocks_per_chunk = blocks_per_chunk
+            self.num_chunks = num_chunks
+            self.region = region
+            self.writer = writer
+            self.ledger = ledger
+            self._cuda_api = cuda_api  # what locked the region's pages (CUDA only)
+            self._closed = False
+            # Jobs accepted and not yet reported, by kind.
+            self._engine_jobs: set[Any] = set()
+            self._published: dict[Any, Any] = {}  # writer: job id -> chunks to publish
+            self._replica_jobs: dict[Any, Any] = {}  # non-writer: job id -> chunks
+            self._empty_jobs: list[Any] = []  # jobs that move nothing on this worker
+            self._ready: list[Any] = []  # engine results drained by wait()
+
+        # ------------------------------------------------------------ job input
 
         def _job(self, what: str, gpu: tuple[str, Any], host: tuple[str, Any]) -> Any:
+            """The job's ``JobSpec`` over this worker's stage groups."""
+            from triton_offload.jobs import JobSpec
+
             (gpu_name, gpu_spec), (host_name, host_spec) = gpu, host
             if not isinstance(gpu_spec, api.GPULoadStoreSpec):
                 raise TypeError(
@@ -412,31 +498,106 @@ def _build_classes() -> dict[str, type]:
                     f"{what}: {host_name} must be vLLM's CPULoadStoreSpec (from this spec's "
                     f"manager), got {type(host_spec).__name__}"
                 )
-            return split_job(gpu_spec, host_spec, self.num_groups, self.blocks_per_chunk, what)
+            job = split_job(gpu_spec, host_spec, self.num_groups, self.blocks_per_chunk, what)
+            gpu_blocks, host_blocks = job.gpu_blocks, job.host_blocks
+            starts = job.first_block_index or (0,) * self.num_groups
+            # Groups without layers here move nothing, but their chunk ids must still
+            # be ones the manager can hand out.
+            for group in range(self.num_groups):
+                if group in self.stage_groups:
+                    continue
+                ids = host_blocks[group]
+                bad = ids[(ids < 0) | (ids >= self.num_chunks)]
+                if bad.size:
+                    raise ValueError(
+                        f"{what}: host block id {int(bad[0])} of group {group} out of range "
+                        f"[0, {self.num_chunks})"
+                    )
+            if len(self.stage_groups) == self.num_groups:
+                return job
+            stage = self.stage_groups
+            return JobSpec(
+                [gpu_blocks[g] for g in stage],
+                [host_blocks[g] for g in stage],
+                [starts[g] for g in stage],
+            )
+
+        def _check_new(self, job_id: Any, what: str) -> None:
+            try:
+                hash(job_id)
+            except TypeError:
+                raise ValueError(f"{what}: job id {job_id!r} is not hashable") from None
+            if job_id in self._in_flight():
+                raise ValueError(f"{what}: job id {job_id!r} is already in flight")
+
+        def _in_flight(self) -> set[Any]:
+            return (
+                self._engine_jobs
+                | set(self._replica_jobs)
+                | {result.job_id for result in self._empty_jobs}
+            )
+
+        # --------------------------------------------------------------- submit
 
         def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
+            if self._closed:
+                return False
             what = f"submit_store(job {job_id!r})"
             job = self._job(what, ("src_spec", src_spec), ("dst_spec", dst_spec))
+            self._check_new(job_id, what)
+            chunks = None
+            if self.ledger is not None:
+                import numpy as np
+
+                from triton_offload.vllm_region import check_ledger_job_id
+
+                check_ledger_job_id(job_id, what)
+                chunks = np.unique(np.concatenate([np.zeros(0, np.int64), *job.host_blocks]))
+            if self.engine is None:
+                self._empty_jobs.append(api.TransferResult(job_id, True, 0, 0.0))
+                return True
+            if not self.writer:
+                from triton_offload.jobs import TO_POOL
+
+                # Same checks as a real store (the ids, the slots, aliasing), no copy.
+                self.engine.build_job_table(job, TO_POOL)
+                self._replica_jobs[job_id] = chunks
+                return True
             accepted = bool(self.engine.submit_store(job_id, job))
             if accepted:
-                self._in_flight.add(job_id)
+                self._engine_jobs.add(job_id)
+                if chunks is not None:
+                    self._published[job_id] = chunks
             return accepted
 
         def submit_load(
             self, job_id: int, src_spec: Any, dst_spec: Any, expedited: bool = False
         ) -> bool:
+            if self._closed:
+                return False
             what = f"submit_load(job {job_id!r})"
             job = self._job(what, ("dst_spec", dst_spec), ("src_spec", src_spec))
+            self._check_new(job_id, what)
+            if self.engine is None:
+                self._empty_jobs.append(api.TransferResult(job_id, True, 0, 0.0))
+                return True
             accepted = bool(self.engine.submit_load(job_id, job))
             if accepted:
-                self._in_flight.add(job_id)
+                self._engine_jobs.add(job_id)
             return accepted
 
-        def get_finished(self) -> list[Any]:
-            results = []
+        # --------------------------------------------------------------- finish
+
+        def _drain_engine(self) -> None:
+            if self.engine is None:
+                return
             for result in self.engine.get_finished():
-                self._in_flight.discard(result.job_id)
-                results.append(
+                self._engine_jobs.discard(result.job_id)
+                chunks = self._published.pop(result.job_id, None)
+                if chunks is not None:
+                    # The copy is complete and visible to the host: tell the other ranks.
+                    self.ledger.publish(chunks, int(result.job_id), bool(result.success))
+                self._ready.append(
                     api.TransferResult(
                         job_id=result.job_id,
                         success=result.success,
@@ -444,70 +605,118 @@ def _build_classes() -> dict[str, type]:
                         transfer_time=result.transfer_time,
                     )
                 )
+
+        def _replicas_done(self) -> list[Any]:
+            done = []
+            for job_id, chunks in list(self._replica_jobs.items()):
+                status = self.ledger.status(chunks, int(job_id))
+                if status is not None:
+                    del self._replica_jobs[job_id]
+                    # This rank moved no byte: size and time 0 keep vLLM's store
+                    # throughput metrics to the writer's real copies.
+                    done.append(api.TransferResult(job_id, status, 0, 0.0))
+            return done
+
+        def get_finished(self) -> list[Any]:
+            self._drain_engine()
+            results = self._empty_jobs + self._ready
+            self._empty_jobs, self._ready = [], []
+            if self._replica_jobs:
+                results += self._replicas_done()
             return results
 
         def wait(self, job_ids: Iterable[int]) -> None:
-            pending = [job_id for job_id in job_ids if job_id in self._in_flight]
-            if pending:
-                self.engine.wait(pending)
+            ids = list(job_ids)
+            engine_ids = [job_id for job_id in ids if job_id in self._engine_jobs]
+            if engine_ids:
+                self.engine.wait(engine_ids)
+                self._drain_engine()
+            replica_ids = [job_id for job_id in ids if job_id in self._replica_jobs]
+            if replica_ids:
+                from triton_offload.vllm_region import wait_until
+
+                def writer_done() -> bool:
+                    return all(
+                        self.ledger.status(self._replica_jobs[job_id], int(job_id)) is not None
+                        for job_id in replica_ids
+                    )
+
+                wait_until(writer_done, f"rank 0's stores {replica_ids} (replicated layout)")
 
         def shutdown(self) -> None:
-            self.engine.shutdown()
+            if self._closed:
+                return
+            self._closed = True
+            engine = self.engine
+            try:
+                if engine is not None:
+                    if self._published:
+                        # Ranks waiting for these stores learn of them before the
+                        # ledger goes away.
+                        engine.wait(list(self._published))
+                        self._drain_engine()
+                    engine.shutdown()
+            finally:
+                # The engine's pool is a view of the region: drop it before unmapping.
+                self.engine = None
+                del engine
+                if self.ledger is not None:
+                    self.ledger.close()
+                    self.ledger = None
+                if self.region is not None:
+                    _release_region(self.region, self._cuda_api)
+                    self.region = None
 
-    class TritonOffloadingSpec(api.CPUOffloadingSpec):  # type: ignore[name-defined]
-        """vLLM's CPU offloading with this project's data path.
+    class _TritonWorkerSide:
+        """The worker side shared by both specs: vLLM's region, this project's engine."""
 
-        The constructor is cheap and has no side effects (vLLM builds the spec in the
-        scheduler and in every worker): it validates the extra config, computes the
-        chunk count as vLLM's CPU spec does and plans the groups; nothing is
-        allocated before ``get_worker``. ``get_manager`` is vLLM's CPU manager.
-        """
+        #: Barrier the region's workers meet at (None: vLLM's all-workers barrier when
+        #: its process groups exist, else none). Tests set a multiprocessing barrier.
+        region_barrier: Any = None
+        #: Create the region as vLLM's tiering spec does (shared with the scheduler).
+        _tiering_region = False
+
+        config: Any
+        extra_config: Any
+        num_chunks: int
+        blocks_per_chunk: int
+        replicated_layout: bool
 
         def __init__(self, config: Any) -> None:
             extra = config.extra_config
-            cpu_bytes = extra.get("cpu_bytes_to_use")
-            if isinstance(cpu_bytes, bool) or not isinstance(cpu_bytes, (int, float, str)):
-                raise ValueError(
-                    "kv_connector_extra_config['cpu_bytes_to_use'] (host bytes for all "
-                    f"workers together) must be given as a positive integer, got {cpu_bytes!r}"
-                )
-            try:
-                cpu_bytes = int(cpu_bytes)
-            except ValueError:
-                cpu_bytes = 0
-            if cpu_bytes < 1:
-                raise ValueError(
-                    "kv_connector_extra_config['cpu_bytes_to_use'] must be a positive "
-                    f"integer, got {extra.get('cpu_bytes_to_use')!r}"
-                )
+            _validate_cpu_bytes(extra)
             if config.canonical_layout or extra.get("canonical_layout"):
                 raise ValueError(
                     "kv_connector_extra_config['canonical_layout'] is not supported by "
-                    f"{SPEC_NAME}: its host rows hold each worker's own pages"
+                    f"{type(self).__name__}: its host rows hold each worker's own pages "
+                    "in this project's row layout, not vLLM's canonical pages"
                 )
             self.engine_options = EngineOptions.from_extra_config(extra)
-            # Each worker keeps a private pool with its own pages: vLLM's single-copy
-            # (replicated) layout needs the shared region that only its CPU worker has,
-            # and would leave the other ranks' pools empty.
-            if config.replicated_layout:
-                config = dataclasses.replace(config, replicated_layout=False)
-            super().__init__(config)
-            self.replicated_layout = False
-            self.plan = plan_from_offloading_config(config)
+            super().__init__(config)  # type: ignore[call-arg]
+            # An attention-free model has no group: nothing to plan or move.
+            self.plan = plan_from_offloading_config(config) if config.groups else None
             self._triton_manager: Any = None
             self._triton_worker: Any = None
 
+        def _uses_shared_region(self) -> bool:
+            # Every platform uses vLLM's shared region, so the single-copy layout
+            # for replicated (MLA) pages holds everywhere, as in vLLM's tiering spec.
+            return True
+
         def get_manager(self) -> Any:
             first = self._triton_manager is None
-            manager = self._triton_manager = super().get_manager()
+            manager = self._triton_manager = super().get_manager()  # type: ignore[misc]
             if first:
                 logger.info(
-                    "%s (triton_offload): scheduler uses vLLM's CPU manager, %d host chunks "
-                    "of %d blocks, eviction_policy=%s",
-                    SPEC_NAME,
+                    "%s (triton_offload): scheduler uses vLLM's %s, %d host chunks "
+                    "of %d blocks (%d bytes each, %s), eviction_policy=%s",
+                    type(self).__name__,
+                    type(manager).__name__,
                     self.num_chunks,
                     self.blocks_per_chunk,
-                    self.eviction_policy,
+                    getattr(self, "kv_bytes_per_chunk", 0),
+                    "one copy per chunk" if self.replicated_layout else "one page per worker",
+                    getattr(self, "eviction_policy", "lru"),
                 )
             return manager
 
@@ -518,56 +727,186 @@ def _build_classes() -> dict[str, type]:
 
         def create_worker(self, kv_caches: Any) -> Any:
             from triton_offload import __version__
-            from triton_offload.engine import TransferEngine
+            from triton_offload.layout import build_layout
+            from triton_offload.vllm_region import (
+                RegionPlan,
+                StoreLedger,
+                create_worker_region,
+                default_barrier,
+                lock_worker_pages,
+                worker_pool_view,
+            )
 
             if not isinstance(kv_caches, api.CanonicalKVCaches):
                 raise TypeError(
                     f"get_worker needs vLLM's CanonicalKVCaches, got {type(kv_caches).__name__}"
                 )
-            if len(kv_caches.group_data_refs) != len(self.plan.groups):
+            num_groups = len(self.config.groups)
+            if len(kv_caches.group_data_refs) != num_groups:
                 raise ValueError(
                     f"kv_caches has {len(kv_caches.group_data_refs)} groups of refs but the "
-                    f"OffloadingConfig has {len(self.plan.groups)} groups"
+                    f"OffloadingConfig has {num_groups} groups"
+                )
+            name = type(self).__name__
+            rank = int(self.config.parallel.rank)
+            if num_groups == 0:
+                logger.info(
+                    "%s (triton_offload %s): worker rank %d has no KV cache group "
+                    "(attention-free model): nothing to offload, no host memory mapped",
+                    name,
+                    __version__,
+                    rank,
+                )
+                return TritonOffloadingWorker(
+                    None,
+                    num_groups=0,
+                    stage_groups=(),
+                    blocks_per_chunk=self.blocks_per_chunk,
+                    num_chunks=self.num_chunks,
                 )
             if self.num_chunks < 1:
                 raise ValueError(
                     f"cpu_bytes_to_use {self.extra_config.get('cpu_bytes_to_use')} holds no "
                     f"chunk of {self.config.worker_kv_bytes_per_block} bytes per block x "
-                    f"{self.config.parallel.world_size} workers x {self.blocks_per_chunk} "
-                    "blocks; raise it"
+                    f"{1 if self.replicated_layout else self.config.parallel.world_size} "
+                    f"copies x {self.blocks_per_chunk} blocks; raise it"
                 )
             caches = caches_from_canonical(kv_caches)
-            options = self.engine_options
-            engine = TransferEngine(
-                self.plan,
-                caches,
-                self.num_chunks,
-                backend=options.backend,
-                num_programs=options.num_programs,
-                crossover=options.crossover,
+            stage = tuple(g for g, layers in enumerate(caches) if layers)
+            region_plan = RegionPlan.from_spec(self)
+            layout = None
+            if stage:
+                layout = build_layout(
+                    [caches[g] for g in stage],
+                    num_groups=len(stage),
+                    blocks_per_chunk=self.blocks_per_chunk,
+                )
+                if layout.row_bytes > region_plan.cpu_page_size:
+                    raise ValueError(
+                        f"a host chunk of this worker's caches needs {layout.row_bytes} bytes "
+                        f"(largest group row, planes 16-byte aligned) but vLLM's chunk gives "
+                        f"each worker {region_plan.cpu_page_size} bytes "
+                        f"(worker_kv_bytes_per_block {self.config.worker_kv_bytes_per_block} "
+                        f"x {self.blocks_per_chunk} blocks)"
+                    )
+            # Every worker reaches the same barriers in the same order (the region's,
+            # then the ledger's), whatever its stage holds.
+            barrier = None
+            if not self._tiering_region:
+                barrier = self.region_barrier or default_barrier()
+            started = time.perf_counter()
+            region = create_worker_region(
+                region_plan, barrier=barrier, tiering=self._tiering_region
+            )
+            ledger = None
+            engine = None
+            locked = 0
+            api_used = None
+            try:
+                if region_plan.replicated and region_plan.world_size > 1:
+                    ledger = StoreLedger(region_plan.engine_id, region_plan.num_chunks, barrier)
+                mapped = time.perf_counter()
+                if layout is not None and layout.device.type == "cuda":
+                    import torch
+
+                    from triton_offload.pool import cuda_api
+
+                    api_used = cuda_api()
+                    with torch.cuda.device(layout.device):
+                        locked = lock_worker_pages(region, region_plan, api_used)
+                ready = time.perf_counter()
+                if layout is not None:
+                    from triton_offload.engine import TransferEngine
+
+                    options = self.engine_options
+                    stage_plan = dataclasses.replace(
+                        self.plan, groups=tuple(self.plan.groups[g] for g in stage)
+                    )
+                    pool = worker_pool_view(region, region_plan)[:, : layout.row_bytes]
+                    engine = TransferEngine(
+                        stage_plan,
+                        [caches[g] for g in stage],
+                        self.num_chunks,
+                        pool=pool,
+                        backend=options.backend,
+                        num_programs=options.num_programs,
+                        crossover=options.crossover,
+                    )
+                    del pool
+            except BaseException:
+                if ledger is not None:
+                    ledger.close()
+                _release_region(region, api_used)
+                raise
+            role = (
+                "writes replicated chunks"
+                if region_plan.replicated and region_plan.writer
+                else "reads replicated chunks (rank 0 writes)"
+                if region_plan.replicated
+                else f"owns page {region_plan.slot} of each chunk"
             )
             logger.info(
-                "%s (triton_offload %s): worker rank %d offloads %d planes in %d groups, "
-                "backend=%s, %d host chunks of %d bytes (%.2f GiB) on %s",
-                SPEC_NAME,
+                "%s (triton_offload %s): worker rank %d %s; shared region %s: %d host chunks, "
+                "row stride %d bytes, %d-byte pages; %.2f GiB mapped in %.3f s, %.2f GiB "
+                "page-locked in %.3f s; %s",
+                name,
                 __version__,
-                self.config.parallel.rank,
-                len(engine.layout.planes),
-                engine.num_groups,
-                engine.backend,
-                engine.num_host_blocks,
-                engine.row_bytes,
-                engine.num_host_blocks * engine.row_bytes / (1 << 30),
-                engine.device,
+                rank,
+                role,
+                region.mmap_path,
+                region_plan.num_chunks,
+                region_plan.row_stride,
+                region_plan.cpu_page_size,
+                region_plan.total_bytes / (1 << 30),
+                mapped - started,
+                locked / (1 << 30),
+                ready - mapped,
+                "no layer of any group on this stage: nothing to move"
+                if engine is None
+                else f"offloads {len(engine.layout.planes)} planes of groups "
+                f"{list(stage)} of {num_groups}, backend={engine.backend}, "
+                f"{engine.row_bytes}-byte rows on {engine.device}",
             )
-            return TritonOffloadingWorker(engine)
+            return TritonOffloadingWorker(
+                engine,
+                num_groups=num_groups,
+                stage_groups=stage,
+                blocks_per_chunk=self.blocks_per_chunk,
+                num_chunks=self.num_chunks,
+                region=region,
+                writer=region_plan.writer,
+                ledger=ledger,
+                cuda_api=api_used,
+            )
 
-    for cls in (TritonOffloadingWorker, TritonOffloadingSpec):
+    class TritonOffloadingSpec(_TritonWorkerSide, api.CPUOffloadingSpec):  # type: ignore[name-defined]
+        """vLLM's CPU offloading with this project's data path.
+
+        The constructor is cheap and has no side effects (vLLM builds the spec in the
+        scheduler and in every worker): it validates the extra config, computes the
+        chunk count as vLLM's CPU spec does on its shared region (one copy per chunk
+        under ``replicated_layout``) and plans the groups; nothing is allocated before
+        ``get_worker``. ``get_manager`` is vLLM's CPU manager.
+        """
+
+    class TritonTieringOffloadingSpec(_TritonWorkerSide, api.TieringOffloadingSpec):  # type: ignore[name-defined]
+        """vLLM's tiering offloading (CPU primary tier + ``secondary_tiers``) with this
+        project's data path between the GPU and the CPU tier.
+
+        The scheduler side is vLLM's ``TieringOffloadingManager`` unchanged (its
+        region, promotions and cascades to fs/obj/p2p/KVCR tiers); the worker maps the
+        same region as vLLM's tiering worker does.
+        """
+
+        _tiering_region = True
+
+    for cls in (TritonOffloadingWorker, TritonOffloadingSpec, TritonTieringOffloadingSpec):
         cls.__module__ = __name__
         cls.__qualname__ = cls.__name__
     return {
         "TritonOffloadingSpec": TritonOffloadingSpec,
         "TritonOffloadingWorker": TritonOffloadingWorker,
+        "TritonTieringOffloadingSpec": TritonTieringOffloadingSpec,
     }
 
 
@@ -590,9 +929,11 @@ __all__ = [
     "EXTRA_CONFIG_KEYS",
     "SPEC_NAME",
     "SUPPORTED_VLLM",
+    "TIERING_SPEC_NAME",
     "EngineOptions",
     "TritonOffloadingSpec",
     "TritonOffloadingWorker",
+    "TritonTieringOffloadingSpec",
     "UnsupportedVLLMError",
     "caches_from_canonical",
     "check_vllm_version",

@@ -1,0 +1,181 @@
+"""TritonTieringOffloadingSpec with vLLM's ``fs`` secondary tier, on CPU.
+
+A round trip through every tier: a chunk is stored from GPU blocks into the CPU tier
+by this project's worker, vLLM's tiering manager cascades it to the fs tier (a file
+appears), two more chunks evict its CPU copy (its row is overwritten), a lookup finds
+it in fs and promotes it into the CPU tier, and the worker loads it into other GPU
+blocks byte-exactly. The scheduler side (manager, region, fs tier) is vLLM's own.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+try:
+    from vllm.v1.kv_offload.base import (
+        CanonicalKVCacheRef,
+        CanonicalKVCaches,
+        CanonicalKVCacheTensor,
+        GPULoadStoreSpec,
+        LookupResult,
+        ReqContext,
+        ScheduleEndContext,
+        make_offload_key,
+    )
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+    from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
+
+    VLLM_ERROR: str | None = None
+except ImportError as error:  # pragma: no cover - exercised where vllm is absent
+    VLLM_ERROR = f"vllm cannot be imported: {error}"
+
+pytestmark = pytest.mark.skipif(VLLM_ERROR is not None, reason=VLLM_ERROR or "")
+
+PAGE = 4096
+NUM_BLOCKS = 16
+BPC = 2
+# Two 1 KiB-per-block planes: one chunk is 4 KiB, exactly one OS page.
+PLANE_BYTES = 1024
+NUM_CHUNKS = 2
+TIMEOUT_S = 20
+
+
+def make_config(root: Path) -> OffloadingConfig:
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("attn",), group_id=0),),
+        worker_kv_bytes_per_block=2 * PLANE_BYTES,
+        enable_kv_cache_events=False,
+        extra_config={
+            "spec_name": "TritonTieringOffloadingSpec",
+            "spec_module_path": "triton_offload.vllm",
+            "cpu_bytes_to_use": NUM_CHUNKS * PAGE,
+            "backend": "torch",
+            "secondary_tiers": [
+                {"type": "fs", "root_dir": str(root), "n_read_threads": 1, "n_write_threads": 1}
+            ],
+        },
+        engine_id=f"tiering-{uuid.uuid4()}",
+        model=OffloadingModelConfig(name="test", dtype="bfloat16", max_model_len=1024),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=BPC),
+        parallel=OffloadingParallelConfig(
+            rank=0,
+            world_size=1,
+            tp_size=1,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=None,
+            is_parallelism_agnostic=False,
+        ),
+    )
+
+
+def _settle(manager: Any) -> None:
+    """Run scheduler steps until the tiers have no transfer in flight."""
+    context = ScheduleEndContext(new_req_ids=[], preempted_req_ids=())
+    deadline = time.monotonic() + TIMEOUT_S
+    manager.on_schedule_end(context)
+    while manager.has_pending_work():
+        assert time.monotonic() < deadline, "tier transfers did not finish"
+        time.sleep(0.005)
+        manager.on_schedule_end(context)
+
+
+def _finish(worker: Any, job_id: int) -> None:
+    worker.wait({job_id})
+    results = worker.get_finished()
+    assert [(r.job_id, r.success) for r in results] == [(job_id, True)]
+
+
+def test_round_trip_through_the_fs_tier(tmp_path: Path) -> None:
+    spec = OffloadingSpecFactory.create_spec(make_config(tmp_path))
+    assert type(spec).__name__ == "TritonTieringOffloadingSpec"
+    assert spec.num_chunks == NUM_CHUNKS
+    manager = spec.get_manager()
+    assert isinstance(manager, TieringOffloadingManager)
+    generator = torch.Generator().manual_seed(3)
+    planes = [
+        torch.randint(-128, 128, (NUM_BLOCKS, PLANE_BYTES), dtype=torch.int8, generator=generator)
+        for _ in range(2)
+    ]
+    caches = CanonicalKVCaches(
+        tensors=[CanonicalKVCacheTensor(p, PLANE_BYTES) for p in planes],
+        group_data_refs=[
+            [CanonicalKVCacheRef(0, PLANE_BYTES), CanonicalKVCacheRef(1, PLANE_BYTES)]
+        ],
+    )
+    worker = spec.get_worker(caches)
+    region_path = worker.region.mmap_path
+    # The scheduler's view of the region: the bytes the fs tier reads and writes.
+    rows = torch.frombuffer(manager.primary_tier.get_kv_memoryview(), dtype=torch.int8)
+    rows = rows.view(NUM_CHUNKS, PAGE)
+    fs_tier = manager.secondary_tiers[0]
+    sources = [p.clone() for p in planes]
+    context = ReqContext(req_id="request")
+    manager.on_new_request(context)
+    key0, key1, key2 = (make_offload_key(f"chunk-{i}".encode(), 0) for i in range(3))
+    try:
+        # 1. Store chunk 0 from GPU blocks 3 and 8; complete_store cascades it to fs.
+        out = manager.prepare_store([key0], context)
+        assert out is not None and out.keys_to_store == [key0]
+        (row0,) = (int(r) for r in out.store_spec.block_ids)
+        assert worker.submit_store(1, GPULoadStoreSpec([3, 8], [2], [0]), out.store_spec)
+        _finish(worker, 1)
+        expected_row = torch.cat([sources[0][3], sources[0][8], sources[1][3], sources[1][8]])
+        assert torch.equal(rows[row0], expected_row)
+        manager.complete_store([key0], context)
+        _settle(manager)
+        assert os.path.exists(fs_tier.file_mapper.get_file_name(key0))
+
+        # 2. Two more chunks fill the CPU tier and evict chunk 0's copy.
+        out = manager.prepare_store([key1, key2], context)
+        assert out is not None and out.evicted_keys == [key0]
+        assert row0 in [int(r) for r in out.store_spec.block_ids]
+        assert worker.submit_store(2, GPULoadStoreSpec([0, 1, 5, 6], [4], [0]), out.store_spec)
+        _finish(worker, 2)
+        manager.complete_store([key1, key2], context)
+        _settle(manager)
+        assert not torch.equal(rows[row0], expected_row)
+
+        # 3. A lookup misses the CPU tier, finds chunk 0 in fs and promotes it.
+        deadline = time.monotonic() + TIMEOUT_S
+        seen = []
+        while (result := manager.lookup(key0, context)) is not LookupResult.HIT:
+            seen.append(result)
+            assert time.monotonic() < deadline, f"promotion did not finish: {seen}"
+            _settle(manager)
+        assert LookupResult.HIT_PENDING in seen  # it was not in the CPU tier any more
+
+        # 4. Load it into GPU blocks 10 and 12 (poisoned first).
+        for plane in planes:
+            plane[[10, 12]] = 0x55
+        expected = [p.clone() for p in planes]
+        for plane, source in zip(expected, sources, strict=True):
+            plane[10], plane[12] = source[3], source[8]
+        load_spec = manager.prepare_load([key0], context)
+        assert worker.submit_load(3, load_spec, GPULoadStoreSpec([10, 12], [2], [0]))
+        _finish(worker, 3)
+        manager.complete_load([key0], context)
+        for actual, wanted in zip(planes, expected, strict=True):
+            assert torch.equal(actual, wanted)
+    finally:
+        del rows
+        worker.shutdown()
+        manager.shutdown()
+    assert not os.path.exists(region_path)
