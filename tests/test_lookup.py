@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import pytest
 
 from triton_offload import GroupSpec, OffloadPlan, ParallelSpec, plan_offload
-from triton_offload.lookup import first_absent, last_present, window_run_end
+from triton_offload.lookup import first_absent, hit_end_problem, last_present, window_run_end
 
 
 def bits(count: int, present: Sequence[int]) -> list[bool]:
@@ -238,6 +238,32 @@ def test_mamba_round_down_when_its_chunk_is_larger() -> None:
     assert plan.mamba_align_tokens is None
     full = bits(8, [0, 1, 2])  # prefix up to 48
     assert plan.lookup(128, 0, [full, [True] * 4]) == 32
+
+
+def test_max_hit_end_caps_the_hit() -> None:
+    plan = seed_plan()
+    present = [[True] * 4, [True] * 8]
+    assert plan.lookup(129, 0, present) == 128  # 128 is on both grids
+    assert plan.lookup(129, 0, present, max_hit_end=70) == 64  # on the Mamba grid
+    assert plan.lookup(129, 32, present, max_hit_end=40) == 0  # no state in (32, 40]
+    with pytest.raises(ValueError, match="max_hit_end must be >= 0, got -1"):
+        plan.lookup(129, 0, present, max_hit_end=-1)
+
+
+def test_hit_end_problem_names_the_group() -> None:
+    """The seed geometry: full attention chunks 0-1, Mamba states at 32 and 64."""
+    plan = seed_plan()
+    present = [bits(2, [0, 1]), bits(4, [1, 3])]
+    assert hit_end_problem(plan, 64, 0, present, 32) is None
+    assert hit_end_problem(plan, 64, 0, present, 40) == (
+        "group 1 ('mamba', mamba): hit end 40 is off its 16-token chunk grid (no state "
+        "stored there)"
+    )
+    assert "chunk it reads in [2, 3) is absent" in str(hit_end_problem(plan, 64, 0, present, 48))
+    assert hit_end_problem(plan, 64, 0, present, 64) == (
+        "hit end 64 exceeds 63 of 64 prompt tokens (the last one is recomputed for its logits)"
+    )
+    assert "does not pass the 32 computed" in str(hit_end_problem(plan, 64, 32, present, 32))
 
 
 # ---------------------------------------------------------------- bad input

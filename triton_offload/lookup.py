@@ -27,6 +27,7 @@ PresenceRow = Sequence[bool] | bytes | bytearray
 __all__ = [
     "PresenceRow",
     "first_absent",
+    "hit_end_problem",
     "is_store_reachable_chunk",
     "last_present",
     "lookup_hit_tokens",
@@ -287,16 +288,66 @@ def _group_hit_end(
     return -1
 
 
+def _hit_bound(plan: OffloadPlan, num_tokens: int, max_hit_end: int | None) -> int:
+    """The largest hit end any lookup may return, before the groups cut it."""
+    bound = num_tokens
+    if plan.windowed_group_order:
+        bound -= 1  # the last prompt token is recomputed for its logits
+    if max_hit_end is not None:
+        _check_non_negative_int("max_hit_end", max_hit_end)
+        bound = min(bound, max_hit_end)
+    if plan.mamba_align_tokens is not None:
+        bound -= bound % plan.mamba_align_tokens
+    return bound
+
+
+def hit_end_problem(
+    plan: OffloadPlan,
+    num_tokens: int,
+    num_computed_tokens: int,
+    present: Sequence[PresenceRow],
+    hit_end: int,
+) -> str | None:
+    """Why a load ending at ``hit_end`` would not restore a cold prefill's state there,
+    or None when it would (the same rules :func:`lookup_hit_tokens` maximises).
+
+    Used to judge another lookup's answer (an engine's own rule) on the same pool: the
+    message names the bound or the first group that cannot serve the end.
+    """
+    _check_non_negative_int("hit_end", hit_end)
+    if hit_end <= num_computed_tokens:
+        return f"hit end {hit_end} does not pass the {num_computed_tokens} computed tokens"
+    bound = num_tokens - 1 if plan.windowed_group_order else num_tokens
+    if hit_end > bound:
+        recompute = " (the last one is recomputed for its logits)" if bound < num_tokens else ""
+        return f"hit end {hit_end} exceeds {bound} of {num_tokens} prompt tokens{recompute}"
+    for index, group in enumerate(plan.groups):
+        served = _group_hit_end(group, present[index], num_tokens, num_computed_tokens, hit_end)
+        if served == hit_end:
+            continue
+        spec = group.spec
+        if spec.kind is GroupKind.MAMBA and hit_end % group.tokens_per_chunk:
+            why = f"off its {group.tokens_per_chunk}-token chunk grid (no state stored there)"
+        else:
+            lo, top = group.needed_chunks(hit_end)
+            why = f"a chunk it reads in [{lo}, {top + int(group.is_eagle)}) is absent"
+        return f"group {index} ({spec.label!r}, {spec.kind.value}): hit end {hit_end} is {why}"
+    return None
+
+
 def lookup_hit_tokens(
     plan: OffloadPlan,
     num_tokens: int,
     num_computed_tokens: int,
     present: Sequence[PresenceRow],
+    *,
+    max_hit_end: int | None = None,
 ) -> int:
     """Tokens beyond ``num_computed_tokens`` that may be loaded (see ``OffloadPlan.lookup``).
 
     1. ``max_hit = num_tokens``; with any windowed group the last token is kept for
-       recompute (its logits) and, with ``mamba_align_tokens``, the result is rounded
+       recompute (its logits); ``max_hit_end`` (a load budget: the engine's cap on the
+       hit end) lowers it further; with ``mamba_align_tokens`` the result is rounded
        down to it (the seed #44599 fix). Each Mamba group rounds down to its own
        grid again when visited (``_group_hit_end``), which also covers a hit cut by a
        later group; rounding here first keeps the unbounded groups' scans short.
@@ -329,12 +380,8 @@ def lookup_hit_tokens(
         raise ValueError(
             f"present has {len(present)} entries, expected one per group ({len(groups)})"
         )
-    max_hit = num_tokens
+    max_hit = _hit_bound(plan, num_tokens, max_hit_end)
     windowed = plan.windowed_group_order
-    if windowed:
-        max_hit -= 1
-        if plan.mamba_align_tokens is not None:
-            max_hit -= max_hit % plan.mamba_align_tokens
     for index in plan.unbounded_group_order:
         max_hit = _group_hit_end(
             groups[index], present[index], num_tokens, num_computed_tokens, max_hit

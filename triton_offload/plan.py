@@ -189,6 +189,8 @@ class OffloadPlan:
         num_tokens: int,
         num_computed_tokens: int,
         present: Sequence[PresenceRow],
+        *,
+        max_hit_end: int | None = None,
     ) -> int:
         """Tokens beyond ``num_computed_tokens`` that may be loaded from the pool.
 
@@ -197,9 +199,12 @@ class OffloadPlan:
         bools or a ``bytes``/``bytearray`` of 0/1 takes the fast C-level scans. Returns
         ``hit_end - num_computed_tokens`` for the largest valid hit end, 0 when there is
         none beyond ``num_computed_tokens``.
-        The algorithm is :func:`triton_offload.lookup.lookup_hit_tokens`.
+        ``max_hit_end`` caps the hit end (an engine's load budget). The algorithm is
+        :func:`triton_offload.lookup.lookup_hit_tokens`.
         """
-        return lookup_hit_tokens(self, num_tokens, num_computed_tokens, present)
+        return lookup_hit_tokens(
+            self, num_tokens, num_computed_tokens, present, max_hit_end=max_hit_end
+        )
 
     def describe(self, prompt_tokens: int | None = None, *, max_ranges: int = 6) -> str:
         """A text table of the plan; with ``prompt_tokens``, each group's storable and
