@@ -48,7 +48,7 @@ try:
 except ImportError as error:  # pragma: no cover - exercised where vllm is absent
     VLLM_ERROR = f"vllm cannot be imported: {error}"
 
-from hit_judge import hit_is_valid
+from hit_judge import hit_is_valid, largest_valid_hit
 
 pytestmark = pytest.mark.skipif(VLLM_ERROR is not None, reason=VLLM_ERROR or "")
 
@@ -332,3 +332,226 @@ def test_factory_resolves_the_connector_by_module_path() -> None:
     )
     assert KVConnectorFactory.get_connector_class(config) is tv.TritonOffloadingConnector
     assert KVConnectorFactory.supports_hma_config(config)
+
+
+# ---------------------------------------------------------------- end to end
+
+
+class Serving:
+    """Our connector in both roles over CPU tensors: the scheduler side (real requests,
+    block hashes, CPU manager), the worker side (``register_kv_caches`` on real tensors,
+    the TransferEngine moving bytes), and vLLM's own KV managers allocating the loading
+    request's blocks. The core scheduler's part (scheduler outputs, the Mamba boundary
+    hand-offs) is played here step by step."""
+
+    NUM_BLOCKS = 256
+
+    def __init__(self, specs: list[Any]) -> None:
+        from vllm.v1.core.block_pool import BlockPool
+        from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+        self.scheduler_side = Engine(specs)
+        self.worker_side = Engine(specs, role=KVConnectorRole.WORKER)
+        self.specs = specs
+        generator = torch.Generator().manual_seed(0)
+        self.tensors: dict[str, torch.Tensor] = {}
+        for index, spec in enumerate(specs):
+            shape = spec.shapes[0] if isinstance(spec, MambaSpec) else (2, spec.block_size, 1, 4)
+            self.tensors[f"layer.{index}"] = torch.randn(
+                self.NUM_BLOCKS, *shape, generator=generator
+            )
+        self.worker_side.connector.register_kv_caches(self.tensors)
+        self.engine = self.worker_side.connector.connector_worker.worker.engine
+        pool = BlockPool(self.NUM_BLOCKS, enable_caching=True, hash_block_size=4)
+        scheduler_block = max(s.block_size for s in specs)
+        self.managers = [
+            KVCacheSpecRegistry.get_manager_class(spec)(
+                kv_cache_spec=spec,
+                block_pool=pool,
+                enable_caching=True,
+                kv_cache_group_id=index,
+                scheduler_block_size=scheduler_block,
+            )
+            for index, spec in enumerate(specs)
+        ]
+
+    @property
+    def connector(self) -> Any:
+        return self.scheduler_side.connector
+
+    def step(self, output: Any) -> set[str]:
+        """One engine step: scheduler metadata -> worker transfers -> worker report."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+            OffloadingWorkerMetadata,
+        )
+        from vllm.forward_context import ForwardContext
+        from vllm.v1.outputs import KVConnectorOutput
+
+        meta = self.connector.build_connector_meta(output)
+        worker = self.worker_side.connector
+        worker.handle_preemptions(meta)
+        worker.bind_connector_metadata(meta)
+        worker.start_load_kv(
+            ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})
+        )
+        worker.wait_for_save()
+        _, received = worker.get_finished(set(output.finished_req_ids))
+        report = worker.build_connector_worker_meta() or OffloadingWorkerMetadata()
+        worker.clear_connector_metadata()
+        self.connector.update_connector_output(
+            KVConnectorOutput(finished_recving=received, kv_connector_worker_meta=report)
+        )
+        return set(received or ())
+
+    @staticmethod
+    def output(
+        new: list[tuple[str, tuple[list[int], ...]]] = (),  # type: ignore[assignment]
+        scheduled: dict[str, int] | None = None,
+        finished: set[str] | None = None,
+        handoffs: dict[str, list[tuple[int, int, int]]] | None = None,
+    ) -> Any:
+        from vllm.v1.core.sched.output import KVConnectorBlockState
+
+        return SimpleNamespace(
+            scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=b) for r, b in new],
+            scheduled_cached_reqs=SimpleNamespace(
+                req_ids=[], new_block_ids=[], resumed_req_ids=set()
+            ),
+            num_scheduled_tokens=scheduled or {},
+            finished_req_ids=finished or set(),
+            preempted_req_ids=set(),
+            kv_cache_block_copies=None,
+            kv_connector_block_state=None
+            if handoffs is None
+            else KVConnectorBlockState(
+                req_ids=set(handoffs),
+                resolve_block_ids={}.__getitem__,
+                boundary_state_offloads=handoffs,
+            ),
+        )
+
+    def store_prompt(self, num_tokens: int) -> tuple[Any, list[list[int]]]:
+        """Request A computes ``num_tokens`` prompt tokens in blocks from id 128 up and
+        finishes; its chunks are stored. Returns (request, block ids per group)."""
+        from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+        from vllm.v1.request import RequestStatus
+
+        request = self.scheduler_side.request("A", num_tokens)
+        assert self.connector.get_num_new_matched_tokens(request, 0) == (0, False)
+        self.connector.update_state_after_alloc(
+            request, KVCacheBlocks(tuple([] for _ in self.specs)), 0
+        )
+        next_id = 128
+        block_ids: list[list[int]] = []
+        handoffs = []
+        for index, spec in enumerate(self.specs):
+            count = -(-num_tokens // spec.block_size)
+            block_ids.append(list(range(next_id, next_id + count)))
+            next_id += count
+            if isinstance(spec, MambaSpec):
+                # The core hands over the block holding the state at each chunk boundary.
+                tpc = spec.block_size
+                handoffs += [
+                    (index, block_ids[index][b // spec.block_size - 1], b)
+                    for b in range(tpc, num_tokens + 1, tpc)
+                ]
+        self.step(
+            self.output(
+                new=[("A", tuple(block_ids))],
+                scheduled={"A": num_tokens},
+                handoffs={"A": handoffs} if handoffs else None,
+            )
+        )
+        request.num_computed_tokens = num_tokens
+        request.status = RequestStatus.FINISHED_STOPPED
+        self.connector.request_finished(request, [])
+        self.step(self.output(finished={"A"}))
+        for _ in range(3):  # deferred store submissions and their reports
+            if not self.connector.connector_scheduler._jobs:
+                break
+            self.step(self.output())
+        assert not self.connector.connector_scheduler._jobs
+        return request, block_ids
+
+    def stored_chunks(self, num_tokens: int) -> list[list[int]]:
+        """Which chunks of the prompt the CPU manager holds, per group (a probe request)."""
+        probe = self.scheduler_side.request("probe", num_tokens)
+        state = self.connector.connector_scheduler._req_status[probe.request_id]
+        manager = self.connector.connector_scheduler.manager
+        return [
+            [
+                c
+                for c, key in enumerate(group.offload_keys)
+                if manager.lookup(key, state.req_context) is LookupResult.HIT
+            ]
+            for group in state.group_states
+        ]
+
+    def load_prompt(self, num_tokens: int) -> tuple[int, list[list[Any]]]:
+        """Request B (same prompt) looks up, vLLM's managers allocate its blocks, the
+        load runs. Returns (hit tokens, B's blocks per group)."""
+        from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+
+        request = self.scheduler_side.request("B", num_tokens)
+        hit, load_async = self.connector.get_num_new_matched_tokens(request, 0)
+        assert hit and load_async
+        for manager in self.managers:
+            manager.add_local_computed_blocks("B", [], 0, hit)
+        for manager in self.managers:
+            manager.allocate_external_computed_blocks("B", 0, hit)
+        blocks = [list(m.req_to_blocks["B"]) for m in self.managers]
+        self.connector.update_state_after_alloc(request, KVCacheBlocks(tuple(blocks)), hit)
+        received = self.step(self.output())
+        for _ in range(3):
+            if "B" in received:
+                break
+            received |= self.step(self.output())
+        assert "B" in received
+        return hit, blocks
+
+
+@pytest.mark.parametrize(
+    ("specs", "num_tokens"),
+    [
+        ([attention(4), mamba(16)], 65),  # attention + Mamba (align)
+        ([attention(4), window(4, 8)], 41),  # attention + sliding window
+    ],
+    ids=["attention+mamba", "attention+sliding-window"],
+)
+def test_store_lookup_load_through_vllm_connector_bytes_exact(
+    specs: list[Any], num_tokens: int
+) -> None:
+    serving = Serving(specs)
+    _, source_ids = serving.store_prompt(num_tokens)
+    stored = serving.stored_chunks(num_tokens)
+    if any(isinstance(s, SlidingWindowSpec) for s in specs):
+        assert stored[1] == [8, 9]  # vLLM stores only the window chunks a hit can read
+    else:
+        assert stored == [list(range(16)), [0, 1, 2, 3]]  # Mamba: every boundary state
+    sources = {name: tensor.clone() for name, tensor in serving.tensors.items()}
+    # Poison every block the loading request may get (the pool hands out low ids).
+    for tensor in serving.tensors.values():
+        tensor[1:128] = 7.0
+    before = {name: tensor.clone() for name, tensor in serving.tensors.items()}
+    hit, blocks = serving.load_prompt(num_tokens)
+    plan = serving.connector.triton_plan
+    # The hit is the largest valid one on what vLLM's connector stored.
+    present = presence(plan, num_tokens, stored)
+    assert hit == largest_valid_hit(plan, num_tokens, 0, present) > 0
+    assert hit_is_valid(plan, num_tokens, 0, present, hit)
+    moved = 0
+    for index, group_blocks in enumerate(blocks):
+        name = f"layer.{index}"
+        expected = before[name].clone()
+        block_size = specs[index].block_size
+        for position, block in enumerate(group_blocks[: -(-hit // block_size)]):
+            if block.is_null:
+                continue
+            expected[block.block_id] = sources[name][source_ids[index][position]]
+            moved += 1
+        assert torch.equal(serving.tensors[name], expected), name
+    assert moved > 0
+    # Source blocks were left as they were.
+    for index, ids in enumerate(source_ids):
+        name = f"layer.{index}"
+        assert torch.equal(serving.tensors[name][ids], sources[name][ids])
