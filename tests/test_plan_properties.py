@@ -243,14 +243,15 @@ class _Plain(Sequence[bool]):
 
 
 def _random_vllm_case(rng: random.Random) -> tuple[OffloadPlan, int, int, list[list[bool]]]:
-    """A hybrid geometry of the kinds vLLM 0.33 has (full/MLA, sliding windows, chunked
-    local, Mamba in align or none mode), DCP 1/2/4, 1-3 blocks per chunk, and a pool
-    that is a random subset of the prompt's whole chunks."""
+    """A hybrid geometry of the kinds vLLM 0.33 has (full/MLA, sometimes an EAGLE draft
+    group, sliding windows, chunked local, Mamba in align or none mode), DCP 1/2/4, 1-3
+    blocks per chunk, and a pool that is a random subset of the prompt's whole chunks."""
     dcp = rng.choice([1, 1, 2, 4])
     mamba_block = rng.choice([8, 16, 32])
-    specs: list[GroupSpec] = [
-        GroupSpec(rng.choice(["full_attention", "mla"]), rng.choice([4, 8, 16]))
-    ]
+    # An EAGLE/MTP draft group now and then (vLLM marks the drafter's attention group).
+    eagle = rng.random() < 0.15
+    first = rng.choice(["full_attention", "mla"])
+    specs: list[GroupSpec] = [GroupSpec(first, rng.choice([4, 8, 16]), is_eagle=eagle)]
     for index in range(rng.randint(1, 3)):
         kind = rng.choice(["sliding_window", "sliding_window", "chunked_local", "mamba", "mla"])
         block = rng.choice([4, 8, 16, 32])
