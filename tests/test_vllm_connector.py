@@ -555,3 +555,35 @@ def test_store_lookup_load_through_vllm_connector_bytes_exact(
     for index, ids in enumerate(source_ids):
         name = f"layer.{index}"
         assert torch.equal(serving.tensors[name][ids], sources[name][ids])
+
+
+def test_lazy_presence_asks_the_manager_only_for_what_the_scan_reads() -> None:
+    """A 128k-token prompt fully stored: the planned lookup reads a few chunks of the
+    windowed groups and the prefix of the unbounded one, memoised."""
+    from triton_offload import GroupSpec, plan_offload
+    from triton_offload.vllm_connector import LazyPresence
+
+    class Manager:
+        calls = 0
+
+        def lookup(self, key: Any, context: Any) -> Any:
+            Manager.calls += 1
+            return LookupResult.HIT if key != ("full", 3) else LookupResult.HIT_PENDING
+
+    plan = plan_offload(
+        [
+            GroupSpec("full_attention", 16),
+            GroupSpec("sliding_window", 16, sliding_window=1024),
+            GroupSpec("mamba", 16, mamba_cache_mode="align"),
+        ]
+    )
+    n = 128 * 1024
+    names = ["full", "swa", "mamba"]
+    rows = [
+        LazyPresence(Manager(), [(names[g], c) for c in range(n // 16)], None, LookupResult.HIT)
+        for g in range(3)
+    ]
+    # Full attention chunk 3 is still being stored (pending): the hit stops before it.
+    assert plan.lookup(n, 0, rows) == 48
+    assert Manager.calls == sum(row.lookups for row in rows) < 16
+    assert rows[0][3] is False and rows[0][-1] is True and rows[0][0:2] == [True, True]

@@ -27,14 +27,11 @@ from __future__ import annotations
 import contextvars
 import logging
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any, overload
+from typing import Any, overload
 
 from triton_offload.groups import GroupKind, GroupSpec, ParallelSpec
 from triton_offload.lookup import hit_end_problem
 from triton_offload.plan import OffloadPlan, plan_offload
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = [
     "CONNECTOR_NAME",
