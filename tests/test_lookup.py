@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import pytest
 
 from triton_offload import GroupSpec, OffloadPlan, ParallelSpec, plan_offload
-from triton_offload.lookup import first_absent, last_present, window_run_end
+from triton_offload.lookup import first_absent, hit_end_problem, last_present, window_run_end
 
 
 def bits(count: int, present: Sequence[int]) -> list[bool]:
@@ -126,8 +126,10 @@ def test_prefix_scan_counts_from_computed_chunk() -> None:
     # A gap stops the prefix.
     assert plan.lookup(64, 16, [bits(4, [2, 3])]) == 0
     assert plan.lookup(64, 16, [bits(4, [1, 3])]) == 16
-    # Less than one chunk beyond what is computed -> 0.
-    assert plan.lookup(64, 40, [bits(4, [0, 1, 2])]) == 0
+    # 40 computed tokens: the rest of chunk 2 is a valid 8-token hit (its load takes
+    # the chunk whole); nothing beyond the computed tokens -> 0.
+    assert plan.lookup(64, 40, [bits(4, [0, 1, 2])]) == 8
+    assert plan.lookup(64, 48, [bits(4, [0, 1, 2])]) == 0
 
 
 def test_no_windowed_group_keeps_last_token() -> None:
@@ -167,6 +169,42 @@ def test_window_run_at_range_start_counts() -> None:
     assert plan.lookup(41, 0, present) == 0  # from chunk 0, chunk 0 is absent
 
 
+def test_hit_shorter_than_a_groups_chunk_is_kept() -> None:
+    """A finer group cuts the hit below a coarser group's chunk: still valid (the
+    coarse group loads the chunk holding the hit whole), and what vLLM's rule returns.
+    Full attention chunk 64, sliding window 16 in 16-token chunks, 100 tokens: full
+    attention allows 64, the window at 64 needs chunk 3 (absent), at 48 chunk 2."""
+    plan = plan_offload(
+        [GroupSpec("full_attention", 64), GroupSpec("sliding_window", 16, sliding_window=16)]
+    )
+    assert plan.lookup(100, 0, [[True], bits(6, [0, 1, 2, 4, 5])]) == 48
+    # Under the sliding window's chunk, too: the window at 16 needs chunk 0 only.
+    assert plan.lookup(100, 0, [[True], bits(6, [0, 4, 5])]) == 16
+
+
+def test_window_needs_only_the_chunks_its_tokens_lie_in() -> None:
+    """A 9-token window in 4-token chunks reads 8 tokens before a hit on the grid: two
+    chunks, not ceil(9 / 4) = 3. Hit 16 reads tokens 8..15 (chunks 2, 3)."""
+    plan = plan_offload([GroupSpec("sliding_window", 4, sliding_window=9)])
+    assert plan.groups[0].sliding_window_size_in_chunks == 3
+    assert plan.groups[0].needed_chunks(16) == (2, 4)
+    assert plan.lookup(17, 0, [bits(4, [2, 3])]) == 16
+    # Off the grid (17 tokens -> bound 16 is on it; 18 -> bound 17): tokens 9..16.
+    assert plan.lookup(18, 0, [bits(4, [2, 3])]) == 16
+    assert plan.lookup(21, 0, [bits(5, [2, 3, 4])]) == 20
+
+
+def test_chunked_local_boundary_needs_no_chunk() -> None:
+    """Chunked local attention resumed at a local-chunk boundary reads no earlier token."""
+    plan = plan_offload(
+        [GroupSpec("full_attention", 16), GroupSpec("chunked_local", 16, attention_chunk_size=32)]
+    )
+    assert plan.lookup(65, 0, [[True] * 4, bits(4, [])]) == 64
+    assert plan.lookup(65, 0, [[True] * 4, bits(4, [3])]) == 64
+    # At 48 (inside local chunk [32, 64)) chunk 2 would be needed: absent -> 32.
+    assert plan.lookup(65, 0, [[True, True, True, False], bits(4, [])]) == 32
+
+
 def test_mid_chunk_hit_needs_the_whole_window() -> None:
     """Full attention chunk 16 cuts the hit at 112, inside a 32-token SWA chunk; the
     window of token 112 (64 tokens) reaches token 49, in SWA chunk 1."""
@@ -202,6 +240,32 @@ def test_mamba_round_down_when_its_chunk_is_larger() -> None:
     assert plan.mamba_align_tokens is None
     full = bits(8, [0, 1, 2])  # prefix up to 48
     assert plan.lookup(128, 0, [full, [True] * 4]) == 32
+
+
+def test_max_hit_end_caps_the_hit() -> None:
+    plan = seed_plan()
+    present = [[True] * 4, [True] * 8]
+    assert plan.lookup(129, 0, present) == 128  # 128 is on both grids
+    assert plan.lookup(129, 0, present, max_hit_end=70) == 64  # on the Mamba grid
+    assert plan.lookup(129, 32, present, max_hit_end=40) == 0  # no state in (32, 40]
+    with pytest.raises(ValueError, match="max_hit_end must be >= 0, got -1"):
+        plan.lookup(129, 0, present, max_hit_end=-1)
+
+
+def test_hit_end_problem_names_the_group() -> None:
+    """The seed geometry: full attention chunks 0-1, Mamba states at 32 and 64."""
+    plan = seed_plan()
+    present = [bits(2, [0, 1]), bits(4, [1, 3])]
+    assert hit_end_problem(plan, 64, 0, present, 32) is None
+    assert hit_end_problem(plan, 64, 0, present, 40) == (
+        "group 1 ('mamba', mamba): hit end 40 is off its 16-token chunk grid (no state "
+        "stored there)"
+    )
+    assert "chunk it reads in [2, 3) is absent" in str(hit_end_problem(plan, 64, 0, present, 48))
+    assert hit_end_problem(plan, 64, 0, present, 64) == (
+        "hit end 64 exceeds 63 of 64 prompt tokens (the last one is recomputed for its logits)"
+    )
+    assert "does not pass the 32 computed" in str(hit_end_problem(plan, 64, 32, present, 32))
 
 
 # ---------------------------------------------------------------- bad input

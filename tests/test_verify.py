@@ -31,7 +31,8 @@ def matrix() -> dict[str, ScenarioResult]:
 
 
 def test_full_matrix_is_bitwise_equal(matrix: dict[str, ScenarioResult]) -> None:
-    assert len(matrix) == len(PRESETS) * 2 * 2 * 7
+    # Seven prompts per preset, DCP and chunk size, plus one mamba-chunk-cut per DCP.
+    assert len(matrix) == len(PRESETS) * 2 * 2 * 7 + 2
     failures = [r.failure for r in matrix.values() if not r.passed]
     assert failures == []
     for r in matrix.values():
@@ -51,6 +52,10 @@ def test_loaded_tokens_are_the_planners(matrix: dict[str, ScenarioResult]) -> No
         "mamba-tiny/dcp1/bpc1/boundary": 16,
         "mamba-tiny/dcp1/bpc1/boundary+1": 32,
         "swa-mamba-hybrid-tiny/dcp2/bpc2/extension": 128,
+        # attention chunk A = 16 (32 at DCP 2), Mamba chunk 4A, 12A + 1 tokens stored
+        # without attention chunk 9: the gap at 9A is inside Mamba chunk 2 -> 8A
+        "mamba-hybrid-tiny/dcp1/bpc1/mamba-chunk-cut": 128,
+        "mamba-hybrid-tiny/dcp2/bpc1/mamba-chunk-cut": 256,
     }
     for name, tokens in expected.items():
         result = matrix[name]
@@ -128,7 +133,7 @@ def test_cli_prints_the_table_and_exits_zero(capsys: pytest.CaptureFixture[str])
     assert status == 0, out
     assert "max |diff|" in out and "recomputed" in out
     assert "mamba-hybrid-tiny/dcp2/bpc1/several" in out
-    assert "all 7 scenarios equal" in out
+    assert "all 8 scenarios equal" in out  # seven prompts + mamba-chunk-cut
 
 
 # Each injected bug on a matrix slice where it must show; the same slice passes without it.
@@ -139,6 +144,8 @@ INJECTED = [
      "mamba-tiny/dcp1/bpc1/boundary"),
     ("wrong-slot", ["--preset", "swa-mamba-hybrid-tiny", "--dcp", "1", "--blocks-per-chunk", "2"],
      "swa-mamba-hybrid-tiny/dcp1/bpc2/boundary"),
+    ("vllm-lookup", ["--preset", "mamba-hybrid-tiny", "--dcp", "1", "--blocks-per-chunk", "1"],
+     "mamba-hybrid-tiny/dcp1/bpc1/mamba-chunk-cut"),
 ]  # fmt: skip
 
 
@@ -163,6 +170,16 @@ def test_no_round_down_claims_the_seed_hit() -> None:
     bad = results["mamba-tiny/dcp1/bpc1/boundary"]
     assert bad.lookup_tokens == 31
     assert not bad.logits_equal
+
+
+def test_vllm_lookup_ends_inside_the_mamba_chunk() -> None:
+    """vLLM's stock rule on the mamba-chunk-cut geometry: 144 tokens (the attention gap,
+    inside Mamba chunk 2), whose state is the one after token 191; the planner: 128."""
+    scenarios = [s for s in build_scenarios(["mamba-hybrid-tiny"], [1], [1]) if "cut" in s.name]
+    stock = run_scenarios(scenarios, inject="vllm-lookup")[0]
+    assert (stock.lookup_tokens, stock.logits_equal) == (144, False)
+    planned = run_scenarios(scenarios)[0]
+    assert (planned.lookup_tokens, planned.passed) == (128, True)
 
 
 def test_triton_kernels_under_the_interpreter() -> None:

@@ -27,6 +27,7 @@ PresenceRow = Sequence[bool] | bytes | bytearray
 __all__ = [
     "PresenceRow",
     "first_absent",
+    "hit_end_problem",
     "is_store_reachable_chunk",
     "last_present",
     "lookup_hit_tokens",
@@ -210,56 +211,128 @@ def _group_hit_end(
     num_computed_tokens: int,
     max_hit: int,
 ) -> int:
-    """The largest hit end (tokens) ``<= max_hit`` this group can serve, or -1.
+    """The largest hit end (tokens) ``<= max_hit`` this group alone can serve, or -1.
 
-    -1 means less than one chunk of this group beyond ``num_computed_tokens``: the
-    whole lookup then loads nothing (a partial chunk is never loaded).
+    A hit end ``H > num_computed_tokens`` is servable when every chunk
+    :meth:`GroupPlan.needed_chunks` names for ``H`` (plus the chunk after them for an
+    EAGLE group, which queries one chunk more and pops it) is present or on the GPU
+    already (below ``num_computed_tokens // tokens_per_chunk``), and only the request's
+    full chunks (``num_tokens // tokens_per_chunk``) are ever present. -1: no such
+    ``H``; the whole lookup then loads nothing.
 
-    - Only the request's full chunks (``num_tokens // tokens_per_chunk``) are ever
-      stored, so the hit is clamped to them.
-    - Mamba: the state of chunk ``i`` is the one after its last token, so a hit must
-      end exactly on this group's chunk boundary (vLLM before PR #44599 restored a state
-      between two stored ones); rounded down here for every mode, which also covers
-      a Mamba chunk larger than an unbounded group's chunk.
-    - Unbounded groups: the present prefix from ``num_computed_tokens // tpc``.
-    - Windowed groups: the last ``w`` present chunks ending at the hit. A hit that
-      ends inside a chunk (``max_hit`` not on this grid, e.g. ``num_tokens - 1``)
-      takes that chunk whole and needs whatever the attention of the first
-      recomputed token reaches, which can be ``w + 1`` chunks when the window starts
-      early in a chunk; if those are not all present, the hit drops to the grid.
-    - EAGLE groups query one chunk more and pop it: the chunk after the hit must be
-      present too (its own newest chunk is volatile while decoding, see
-      ``OffloadPlan.storable_chunk_count``).
+    - Unbounded groups: servable ends form one interval above the computed tokens, up
+      to the end of the present prefix, so the answer is ``min(max_hit, prefix end)``.
+      It may lie inside one of this group's chunks: a load takes that chunk whole.
+    - Windowed groups (sliding window, chunked local, Mamba): inside one chunk a later
+      end never needs an earlier chunk than a sooner end (the first needed token only
+      moves forward), so the best end in each chunk is ``max_hit`` itself (when it is
+      off this group's grid) or the chunk's last token. The candidates are therefore
+      ``max_hit`` and then the chunk boundaries below it, walked downwards: a candidate
+      failing at absent chunk ``q`` rules out every boundary above ``q``, so the walk
+      jumps there (and, for groups that always need the chunk just before the end,
+      past the absent stretch below it) with C-level scans.
+    - Mamba: the state of chunk ``i`` is the one after its last token, so a hit must end
+      exactly on this group's chunk boundary (vLLM before PR #44599 restored a
+      state between two stored ones); ``max_hit`` off the grid is never a candidate.
     """
     tpc = group.tokens_per_chunk
     full_chunks = num_tokens // tpc
+    extra = int(group.is_eagle)
     max_hit = min(max_hit, full_chunks * tpc)
-    if group.kind is GroupKind.MAMBA:
-        max_hit -= max_hit % tpc
-    if max_hit - num_computed_tokens < tpc:
+    if max_hit <= num_computed_tokens:
         return -1
     start = num_computed_tokens // tpc
-    extra = int(group.is_eagle)
-    top = -(-max_hit // tpc)  # chunk index just past the last chunk the hit touches
     window = group.sliding_window_size_in_chunks
     if window is None:
-        end = first_absent(present, start, min(top + extra, full_chunks))
-    else:
-        if max_hit % tpc:
-            lo, _ = group.needed_chunks(max_hit)
-            stop = top + extra
-            if stop <= full_chunks and first_absent(present, max(start, lo), stop) == stop:
-                return max_hit
-            max_hit -= max_hit % tpc
-            top -= 1
-            if max_hit - num_computed_tokens < tpc:
+        top = -(-max_hit // tpc)  # chunk index just past the last chunk the hit touches
+        end = first_absent(present, start, min(top + extra, full_chunks)) - extra
+        hit = min(max_hit, end * tpc)
+        return hit if hit > num_computed_tokens else -1
+    spec = group.spec
+    kind = spec.kind
+    if max_hit % tpc and kind is not GroupKind.MAMBA:
+        lo, top = group.needed_chunks(max_hit)
+        stop = top + extra
+        if stop <= full_chunks and first_absent(present, max(start, lo), stop) == stop:
+            return max_hit
+    # Chunk-boundary candidates ``H = end * tpc``; an EAGLE group also needs chunk ``end``.
+    end = min(max_hit // tpc, full_chunks - extra)
+    # Groups whose every boundary end needs the chunk just before it (Mamba; a sliding
+    # window reaching at least one token back) may skip absent stretches at once.
+    reach_back = 0  # tokens before H the group reads; -1: depends on H (chunked local)
+    if kind is GroupKind.SLIDING_WINDOW:
+        assert spec.sliding_window is not None
+        reach_back = spec.sliding_window - 1
+    elif kind is GroupKind.CHUNKED_LOCAL:
+        reach_back = -1
+    skip_absent = kind is GroupKind.MAMBA or reach_back > 0
+    chunk = spec.attention_chunk_size or 0
+    while end * tpc > num_computed_tokens:
+        if skip_absent:
+            last = last_present(present, start, end)
+            if last < start:
                 return -1
-        end = window_run_end(present, start, min(top + extra, full_chunks), window + extra)
-    end -= extra
-    max_hit = min(max_hit, end * tpc)
-    if max_hit - num_computed_tokens < tpc:
-        return -1
-    return max_hit
+            end = last + 1
+        hit = end * tpc
+        if kind is GroupKind.MAMBA:
+            lo = end - 1
+        elif reach_back >= 0:
+            lo = (hit - reach_back) // tpc
+        else:
+            lo = (hit - hit % chunk) // tpc
+        stop = end + extra
+        gap = first_absent(present, max(start, lo), stop)
+        if gap == stop:
+            return hit
+        end = gap - extra
+    return -1
+
+
+def _hit_bound(plan: OffloadPlan, num_tokens: int, max_hit_end: int | None) -> int:
+    """The largest hit end any lookup may return, before the groups cut it."""
+    bound = num_tokens
+    if plan.windowed_group_order:
+        bound -= 1  # the last prompt token is recomputed for its logits
+    if max_hit_end is not None:
+        _check_non_negative_int("max_hit_end", max_hit_end)
+        bound = min(bound, max_hit_end)
+    if plan.mamba_align_tokens is not None:
+        bound -= bound % plan.mamba_align_tokens
+    return bound
+
+
+def hit_end_problem(
+    plan: OffloadPlan,
+    num_tokens: int,
+    num_computed_tokens: int,
+    present: Sequence[PresenceRow],
+    hit_end: int,
+) -> str | None:
+    """Why a load ending at ``hit_end`` would not restore a cold prefill's state there,
+    or None when it would (the same rules :func:`lookup_hit_tokens` maximises).
+
+    Used to judge another lookup's answer (an engine's own rule) on the same pool: the
+    message names the bound or the first group that cannot serve the end.
+    """
+    _check_non_negative_int("hit_end", hit_end)
+    if hit_end <= num_computed_tokens:
+        return f"hit end {hit_end} does not pass the {num_computed_tokens} computed tokens"
+    bound = num_tokens - 1 if plan.windowed_group_order else num_tokens
+    if hit_end > bound:
+        recompute = " (the last one is recomputed for its logits)" if bound < num_tokens else ""
+        return f"hit end {hit_end} exceeds {bound} of {num_tokens} prompt tokens{recompute}"
+    for index, group in enumerate(plan.groups):
+        served = _group_hit_end(group, present[index], num_tokens, num_computed_tokens, hit_end)
+        if served == hit_end:
+            continue
+        spec = group.spec
+        if spec.kind is GroupKind.MAMBA and hit_end % group.tokens_per_chunk:
+            why = f"off its {group.tokens_per_chunk}-token chunk grid (no state stored there)"
+        else:
+            lo, top = group.needed_chunks(hit_end)
+            why = f"a chunk it reads in [{lo}, {top + int(group.is_eagle)}) is absent"
+        return f"group {index} ({spec.label!r}, {spec.kind.value}): hit end {hit_end} is {why}"
+    return None
 
 
 def lookup_hit_tokens(
@@ -267,11 +340,14 @@ def lookup_hit_tokens(
     num_tokens: int,
     num_computed_tokens: int,
     present: Sequence[PresenceRow],
+    *,
+    max_hit_end: int | None = None,
 ) -> int:
     """Tokens beyond ``num_computed_tokens`` that may be loaded (see ``OffloadPlan.lookup``).
 
     1. ``max_hit = num_tokens``; with any windowed group the last token is kept for
-       recompute (its logits) and, with ``mamba_align_tokens``, the result is rounded
+       recompute (its logits); ``max_hit_end`` (a load budget: the engine's cap on the
+       hit end) lowers it further; with ``mamba_align_tokens`` the result is rounded
        down to it (the fix of vLLM PR #44599). Each Mamba group rounds down to its own
        grid again when visited (``_group_hit_end``), which also covers a hit cut by a
        later group; rounding here first keeps the unbounded groups' scans short.
@@ -282,8 +358,10 @@ def lookup_hit_tokens(
        until a pass leaves the hit unchanged after its first group (a group's check
        is idempotent at its own result, so the first group of a pass can't be stale).
        Each repeat strictly lowers the hit, so the loop ends.
-    Any group with less than one chunk beyond ``num_computed_tokens`` ends the
-    lookup with 0.
+    A group that can serve no end beyond ``num_computed_tokens`` ends the lookup with
+    0. A hit shorter than some group's chunk is kept when it is valid (that group's
+    load takes the chunk holding the hit whole): the result is the largest valid hit,
+    never less than another rule's valid hit on the same pool.
 
     Each group's check maps a bound ``M`` to the largest hit end ``<= M`` it can
     serve; that map is monotone, never raises ``M`` and is idempotent, so the loop
@@ -302,12 +380,8 @@ def lookup_hit_tokens(
         raise ValueError(
             f"present has {len(present)} entries, expected one per group ({len(groups)})"
         )
-    max_hit = num_tokens
+    max_hit = _hit_bound(plan, num_tokens, max_hit_end)
     windowed = plan.windowed_group_order
-    if windowed:
-        max_hit -= 1
-        if plan.mamba_align_tokens is not None:
-            max_hit -= max_hit % plan.mamba_align_tokens
     for index in plan.unbounded_group_order:
         max_hit = _group_hit_end(
             groups[index], present[index], num_tokens, num_computed_tokens, max_hit
@@ -327,8 +401,4 @@ def lookup_hit_tokens(
             max_hit = new_hit
         if stable:
             break
-    # Unbounded groups are not re-visited, so one whose chunk is larger than the final
-    # hit's reach is checked here: every group must gain at least one chunk.
-    if max_hit - num_computed_tokens < plan.max_tokens_per_chunk:
-        return 0
     return max_hit - num_computed_tokens

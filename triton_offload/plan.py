@@ -87,18 +87,25 @@ class GroupPlan:
 
         ``top = ceil(hit_end / tokens_per_chunk)``: a hit that ends inside a chunk takes
         that chunk whole. Unbounded kinds read every chunk from 0. A windowed group
-        reads its last ``sliding_window_size_in_chunks`` chunks, or more when
-        ``hit_end`` is off its grid and :meth:`first_needed_token` reaches further back
-        (a window starting early in a chunk spans one chunk more). The lookup checks
-        exactly these chunks (plus the chunk after them for an EAGLE group); a load
-        moves exactly these.
+        reads the chunks holding the tokens from :meth:`first_needed_token` on: a
+        sliding window of ``W`` tokens needs ``ceil((W - 1) / tokens_per_chunk)`` chunks
+        before a hit on its grid (one more off it, when the window starts early in a
+        chunk), never more, so a hit is not refused for a chunk no token of the window
+        lies in; chunked local attention reads back to its local chunk's start (nothing
+        at a local-chunk boundary on the grid); Mamba reads the one chunk whose state is
+        the one after token ``hit_end - 1``. The lookup checks exactly these chunks
+        (plus the chunk after them for an EAGLE group); a load moves exactly these.
         """
         tpc = self.tokens_per_chunk
         top = -(-hit_end // tpc)
-        window = self.sliding_window_size_in_chunks
-        if window is None:
+        if self.sliding_window_size_in_chunks is None:
             return 0, top
-        return max(0, min(top - window, self.first_needed_token(hit_end) // tpc)), top
+        lo = self.first_needed_token(hit_end) // tpc
+        if hit_end % tpc:
+            # A hit inside a chunk loads the block of the first recomputed token, so
+            # that chunk is read even when the attention reaches no token before it.
+            lo = min(lo, top - 1)
+        return max(0, min(lo, top)), top
 
     def storable_chunk_count(self, num_tokens: int, *, num_prompt_tokens: int | None = None) -> int:
         """Chunks of this group worth considering for a store after ``num_tokens`` tokens.
@@ -182,16 +189,22 @@ class OffloadPlan:
         num_tokens: int,
         num_computed_tokens: int,
         present: Sequence[PresenceRow],
+        *,
+        max_hit_end: int | None = None,
     ) -> int:
         """Tokens beyond ``num_computed_tokens`` that may be loaded from the pool.
 
         ``present[g]`` holds one bool per chunk of group ``g`` from chunk 0 (does the
         pool hold it); missing trailing entries count as absent. A ``list``/``tuple`` of
         bools or a ``bytes``/``bytearray`` of 0/1 takes the fast C-level scans. Returns
-        ``hit_end - num_computed_tokens``, 0 when some group cannot add a full chunk.
-        The algorithm is :func:`triton_offload.lookup.lookup_hit_tokens`.
+        ``hit_end - num_computed_tokens`` for the largest valid hit end, 0 when there is
+        none beyond ``num_computed_tokens``.
+        ``max_hit_end`` caps the hit end (an engine's load budget). The algorithm is
+        :func:`triton_offload.lookup.lookup_hit_tokens`.
         """
-        return lookup_hit_tokens(self, num_tokens, num_computed_tokens, present)
+        return lookup_hit_tokens(
+            self, num_tokens, num_computed_tokens, present, max_hit_end=max_hit_end
+        )
 
     def describe(self, prompt_tokens: int | None = None, *, max_ranges: int = 6) -> str:
         """A text table of the plan; with ``prompt_tokens``, each group's storable and

@@ -393,10 +393,14 @@ def split_job(
 # ------------------------------------------------------------------ the vLLM classes
 
 _LAZY_NAMES = ("TritonOffloadingSpec", "TritonOffloadingWorker", "TritonTieringOffloadingSpec")
+# Built by triton_offload.vllm_connector on first access.
+_CONNECTOR_NAMES = ("TritonOffloadingConnector", "TritonOffloadingConnectorScheduler")
 if TYPE_CHECKING:
     TritonOffloadingSpec: type
     TritonOffloadingWorker: type
     TritonTieringOffloadingSpec: type
+    TritonOffloadingConnector: type
+    TritonOffloadingConnectorScheduler: type
 
 _classes: dict[str, type] | None = None
 
@@ -707,6 +711,9 @@ def _build_classes() -> dict[str, type]:
             first = self._triton_manager is None
             manager = self._triton_manager = super().get_manager()  # type: ignore[misc]
             if first:
+                from triton_offload.vllm_connector import warn_stock_lookup_hazards
+
+                warn_stock_lookup_hazards(self.config)
                 logger.info(
                     "%s (triton_offload): scheduler uses vLLM's %s, %d host chunks "
                     "of %d blocks (%d bytes each, %s), eviction_policy=%s",
@@ -917,11 +924,17 @@ def __getattr__(name: str) -> Any:
             _classes = _build_classes()
             globals().update(_classes)
         return _classes[name]
+    if name in _CONNECTOR_NAMES:
+        from triton_offload.vllm_connector import build_connector_classes
+
+        connector_classes = build_connector_classes()
+        globals().update(connector_classes)
+        return connector_classes[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY_NAMES))
+    return sorted(set(globals()) | set(_LAZY_NAMES) | set(_CONNECTOR_NAMES))
 
 
 __all__ = [
@@ -931,6 +944,7 @@ __all__ = [
     "SUPPORTED_VLLM",
     "TIERING_SPEC_NAME",
     "EngineOptions",
+    "TritonOffloadingConnector",
     "TritonOffloadingSpec",
     "TritonOffloadingWorker",
     "TritonTieringOffloadingSpec",

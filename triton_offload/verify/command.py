@@ -83,7 +83,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="testing aid, makes verify fail on purpose: mamba-span-dcp (Mamba span "
         "multiplied by DCP), no-mamba-round-down (Mamba planned as a sliding window, no "
-        "round-down), wrong-slot (load jobs with rotated GPU blocks)",
+        "round-down), wrong-slot (load jobs with rotated GPU blocks), vllm-lookup (vLLM "
+        "0.33's stock lookup rule; fails the mamba-chunk-cut scenarios)",
     )
 
 

@@ -8,6 +8,7 @@ Layers (any mix, chosen by ``ModelConfig.layers``):
 - ``sliding_window``: the same over the last ``sliding_window`` tokens only.
 - ``mamba``: a Mamba-style recurrent layer: a short causal convolution (its state is the
   last ``conv_kernel - 1`` inputs) feeding a diagonal SSM (state ``hidden x ssm_state``).
+  Its blocks hold ``mamba_block_size`` tokens (``block_size`` unless set).
   The cache works like Mamba's ``align`` mode: block ``b`` ends up holding the state
   after token ``(b + 1) * block_size - 1``, the state after the last token of the block.
   Token ``t`` reads the state from block ``(t - 1) // block_size`` and writes its new
@@ -56,6 +57,9 @@ class ModelConfig:
     num_heads: int = 2
     block_size: int = 16
     sliding_window: int = 24
+    # Mamba block size in tokens; 0: ``block_size``. A larger one puts the attention
+    # groups on a finer chunk grid than the Mamba group.
+    mamba_block_size: int = 0
     conv_kernel: int = 4
     ssm_state_size: int = 8
     seed: int = 0
@@ -70,12 +74,19 @@ class ModelConfig:
             value = getattr(self, name)
             if value < 1:
                 raise ValueError(f"{name} must be positive, got {value}")
+        if self.mamba_block_size < 0:
+            raise ValueError(f"mamba_block_size must be >= 0, got {self.mamba_block_size}")
         if self.conv_kernel < 2:
             raise ValueError(f"conv_kernel must be at least 2, got {self.conv_kernel}")
         if self.hidden_size % self.num_heads:
             raise ValueError(
                 f"hidden_size {self.hidden_size} is not a multiple of num_heads {self.num_heads}"
             )
+
+    @property
+    def mamba_block(self) -> int:
+        """Tokens per Mamba block (``mamba_block_size`` or ``block_size``)."""
+        return self.mamba_block_size or self.block_size
 
     @property
     def group_kinds(self) -> tuple[str, ...]:
@@ -92,7 +103,7 @@ class ModelConfig:
     def blocks_per_rank(self, group: int, num_tokens: int, dcp: int) -> int:
         """GPU blocks one rank needs for ``num_tokens`` tokens of ``group``."""
         if self.group_kinds[group] == "mamba":
-            return _ceil_div(num_tokens, self.block_size)
+            return _ceil_div(num_tokens, self.mamba_block)
         return _ceil_div(_ceil_div(num_tokens, dcp), self.block_size)  # rank 0 holds the most
 
 
@@ -189,7 +200,7 @@ class RequestBlocks:
                     slots.append((r * num_blocks + ranks[r][local // bs]) * bs + local % bs)
                 self.attention_slots[g] = torch.tensor(slots, dtype=torch.int64)
         caps = [len(s) for s in self.attention_slots.values()]
-        caps += [r.shape[0] * bs for r in self.mamba_rows.values()]
+        caps += [r.shape[0] * config.mamba_block for r in self.mamba_rows.values()]
         self.capacity = min(caps)  # tokens these tables hold in every group
 
 
@@ -303,7 +314,7 @@ class HybridModel:
             ssm_state = torch.zeros(d, c.ssm_state_size)
         else:
             # align mode: the state after token position-1 lives in that token's block.
-            read = rows[(position - 1) // c.block_size]
+            read = rows[(position - 1) // c.mamba_block]
             conv_all = conv_flat.index_select(0, read)
             ssm_all = ssm_flat.index_select(0, read)
             if cache.dcp > 1 and not (
@@ -317,7 +328,7 @@ class HybridModel:
         ssm_state = w["decay"] * ssm_state + w["b"] * u.unsqueeze(1)
         y = (ssm_state * w["c"]).sum(1) + w["skip"] * u
         y = y * torch.nn.functional.silu(gate)
-        write = rows[position // c.block_size]
+        write = rows[position // c.mamba_block]
         conv_flat.index_copy_(0, write, window[1:].unsqueeze(0).expand(cache.dcp, -1, -1))
         ssm_flat.index_copy_(0, write, ssm_state.unsqueeze(0).expand(cache.dcp, -1, -1))
         return y @ w["w_out"]

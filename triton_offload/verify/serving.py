@@ -13,12 +13,19 @@ Testing aids (``inject=``) re-create known bugs so that a check that must fail c
 seen failing:
 
 - ``mamba-span-dcp``: the Mamba group is planned as DCP-sharded, so its span is
-  ``block_size * dcp`` (seed: vLLM's DCP span fix); keys then name the wrong states.
+  ``block_size * dcp`` (the span bug vLLM fixed for DCP); keys then name the wrong states.
 - ``no-mamba-round-down``: the Mamba group is planned as a one-token sliding window,
-  as the seed #44599 bug treated it; a hit may end between two stored states and the
+  as vLLM before PR #44599 treated it; a hit may end between two stored states and the
   state after the chunk's last token is restored at a position before it.
 - ``wrong-slot``: every load job hands the engine its GPU blocks rotated by one, a
   wrong slot mapping in the data path.
+- ``vllm-lookup``: lookups follow vLLM 0.33's stock rule
+  (:mod:`triton_offload.verify.stock_lookup`) instead of the planner's. The
+  ``mamba-chunk-cut`` scenarios trigger it: attention in 16-token chunks, Mamba in
+  64-token chunks, one attention chunk of the stored prompt lost from the pool; the
+  stock rule rounds the hit down to the Mamba grid once, the attention gap cuts it
+  inside a Mamba chunk, and the state after that chunk's last token is restored at
+  the cut.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import contextlib
 import hashlib
 import itertools
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -46,6 +53,7 @@ from triton_offload import (
 from triton_offload.jobs import JobSpec
 from triton_offload.presets import PRESETS as MODEL_PRESETS
 from triton_offload.verify.model import HybridCache, HybridModel, ModelConfig, RequestBlocks
+from triton_offload.verify.stock_lookup import stock_groups, vllm_stock_hit
 
 if TYPE_CHECKING:
     from triton_offload import TransferEngine
@@ -64,7 +72,7 @@ __all__ = [
     "run_scenarios",
 ]
 
-INJECTIONS = ("mamba-span-dcp", "no-mamba-round-down", "wrong-slot")
+INJECTIONS = ("mamba-span-dcp", "no-mamba-round-down", "wrong-slot", "vllm-lookup")
 
 #: Model presets: layer stacks of the verification model, the ``-tiny`` presets of the
 #: package's preset table (``mamba-hybrid-tiny``: full attention + Mamba, the DCP/Mamba
@@ -108,17 +116,26 @@ def group_specs(config: ModelConfig, inject: str | None = None) -> list[GroupSpe
         elif inject == "mamba-span-dcp":
             specs.append(
                 GroupSpec(
-                    GroupKind.MAMBA, bs, mamba_cache_mode="align", dcp_sharded=True, name="mamba"
+                    GroupKind.MAMBA,
+                    config.mamba_block,
+                    mamba_cache_mode="align",
+                    dcp_sharded=True,
+                    name="mamba",
                 )
             )
         elif inject == "no-mamba-round-down":
             specs.append(
                 GroupSpec(
-                    GroupKind.SLIDING_WINDOW, bs, sliding_window=1, dcp_sharded=False, name="mamba"
+                    GroupKind.SLIDING_WINDOW,
+                    config.mamba_block,
+                    sliding_window=1,
+                    dcp_sharded=False,
+                    name="mamba",
                 )
             )
         else:
-            specs.append(GroupSpec(GroupKind.MAMBA, bs, mamba_cache_mode="align", name="mamba"))
+            block = config.mamba_block
+            specs.append(GroupSpec(GroupKind.MAMBA, block, mamba_cache_mode="align", name="mamba"))
     return specs
 
 
@@ -240,8 +257,12 @@ class OffloadServer:
         *,
         lookup: bool,
         store: bool,
+        lost: Collection[tuple[int, int]] = (),
     ) -> RequestResult:
-        """Prefill ``prompt`` (after loading what a lookup allows), decode greedily, store."""
+        """Prefill ``prompt`` (after loading what a lookup allows), decode greedily, store.
+
+        ``lost``: ``(group, chunk)`` pairs the store skips, as if the pool had lost them.
+        """
         n = len(prompt)
         if n < 1:
             raise ValueError("prompt is empty")
@@ -278,7 +299,7 @@ class OffloadServer:
                 result.logits[position] = logits
         result.replica_mismatches = list(blocks.replica_mismatches)
         if store:
-            result.store_bytes, result.stored_chunks = self._store(prompt, blocks)
+            result.store_bytes, result.stored_chunks = self._store(prompt, blocks, lost)
         return result
 
     def _allocate(self, num_tokens: int) -> RequestBlocks:
@@ -304,6 +325,9 @@ class OffloadServer:
         present = [
             self.manager.lookup(self._keys(prompt, g), g) for g in range(len(self.plan.groups))
         ]
+        if self.inject == "vllm-lookup":
+            groups, mamba_align = stock_groups(self.plan)
+            return vllm_stock_hit(groups, mamba_align, len(prompt), 0, present)
         return self.plan.lookup(len(prompt), 0, present)
 
     def _load(self, prompt: Sequence[int], hit: int, blocks: RequestBlocks) -> int:
@@ -341,7 +365,9 @@ class OffloadServer:
             for _, _, handle in handles:
                 self.manager.complete_load(handle)
 
-    def _store(self, prompt: Sequence[int], blocks: RequestBlocks) -> tuple[int, list[list[int]]]:
+    def _store(
+        self, prompt: Sequence[int], blocks: RequestBlocks, lost: Collection[tuple[int, int]] = ()
+    ) -> tuple[int, list[list[int]]]:
         """Store the reachable chunks of the prompt; returns (bytes per rank summed, chunks)."""
         bpc = self.plan.blocks_per_chunk
         n = len(prompt)
@@ -349,6 +375,7 @@ class OffloadServer:
         stored: list[list[int]] = []
         for g in range(len(self.plan.groups)):
             reachable = self.plan.store_reachable_chunks(g, self.plan.storable_chunk_count(g, n))
+            reachable = [c for c in reachable if (g, c) not in lost]
             keys = self._keys(prompt, g)
             handle = self.manager.prepare_store([keys[i] for i in reachable], g)
             if handle is None:  # pool full of chunks in use: store nothing of this group
@@ -420,7 +447,8 @@ def _finish(engine: TransferEngine, job: tuple[str, int]) -> int:
 class Scenario:
     """Request 1 (``first_len`` tokens) stores; request 2 (``second_len`` tokens, same
     prefix) loads. ``clear_host`` empties the host pool in between (every hit must
-    become a recompute)."""
+    become a recompute); ``lost_chunks`` are left out of the store (a pool that lost
+    them)."""
 
     name: str
     preset: str
@@ -429,6 +457,8 @@ class Scenario:
     first_len: int
     second_len: int
     clear_host: bool = False
+    mamba_block_size: int = 0  # the model's Mamba block (0: its block_size)
+    lost_chunks: tuple[tuple[int, int], ...] = ()  # (group, chunk) the first store skips
 
 
 @dataclass
@@ -492,7 +522,31 @@ def build_scenarios(
                     scenarios.append(
                         Scenario(f"{prefix}/{label}", preset, dcp, bpc, first, second, clear)
                     )
+            if preset == "mamba-hybrid-tiny":
+                scenarios.append(_mamba_chunk_cut(preset, config, dcp, blocks_per_chunks[0]))
     return scenarios
+
+
+def _mamba_chunk_cut(preset: str, config: ModelConfig, dcp: int, bpc: int) -> Scenario:
+    """Attention chunk ``A`` (``block_size * dcp * bpc``), Mamba chunk ``M = 4A``, a
+    prompt of ``3M + 1`` tokens stored without attention chunk ``2M / A + 1``: the hit
+    must stop at ``2M`` (the Mamba state there), not at the attention gap ``2M + A``,
+    inside Mamba chunk 2 (vLLM's stock rule loads the state at ``3M`` there)."""
+    attention_chunk = config.block_size * dcp * bpc
+    mamba_block = 4 * config.block_size * dcp
+    mamba_chunk = mamba_block * bpc
+    length = 3 * mamba_chunk + 1
+    lost = ((0, 2 * mamba_chunk // attention_chunk + 1),)
+    return Scenario(
+        f"{preset}/dcp{dcp}/bpc{bpc}/mamba-chunk-cut",
+        preset,
+        dcp,
+        bpc,
+        length,
+        length,
+        mamba_block_size=mamba_block,
+        lost_chunks=lost,
+    )
 
 
 def prompt_tokens(length: int, vocab_size: int, seed: int = 1234) -> list[int]:
@@ -514,7 +568,9 @@ def run_scenario(server: OffloadServer, scenario: Scenario, max_new_tokens: int)
         if second != first:
             reference = server.run(second, max_new_tokens, lookup=False, store=False)
             server.clear_gpu()
-        cold = server.run(first, max_new_tokens, lookup=False, store=True)
+        cold = server.run(
+            first, max_new_tokens, lookup=False, store=True, lost=scenario.lost_chunks
+        )
         reference = reference or cold
         if scenario.clear_host:
             server.clear_host()
@@ -565,13 +621,27 @@ def run_scenarios(
     models: dict[str, HybridModel] = {}
     try:
         for scenario in scenarios:
-            this = (scenario.preset, scenario.dcp, scenario.blocks_per_chunk)
+            this = (
+                scenario.preset,
+                scenario.dcp,
+                scenario.blocks_per_chunk,
+                scenario.mamba_block_size,
+            )
             if this != key:
                 if server is not None:
                     server.close()
-                config = ModelConfig(layers=PRESETS[scenario.preset])
-                model = models.setdefault(scenario.preset, HybridModel(config))
-                group = [x for x in scenarios if (x.preset, x.dcp, x.blocks_per_chunk) == this]
+                config = ModelConfig(
+                    layers=PRESETS[scenario.preset], mamba_block_size=scenario.mamba_block_size
+                )
+                model_key = f"{scenario.preset}/{scenario.mamba_block_size}"
+                if model_key not in models:
+                    models[model_key] = HybridModel(config)
+                model = models[model_key]
+                group = [
+                    x
+                    for x in scenarios
+                    if (x.preset, x.dcp, x.blocks_per_chunk, x.mamba_block_size) == this
+                ]
                 longest = max(max(x.first_len, x.second_len) for x in group) + max_new_tokens
                 server = OffloadServer(
                     config,

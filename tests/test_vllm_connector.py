@@ -1,0 +1,589 @@
+"""TritonOffloadingConnector inside vLLM 0.33's real scheduler-side connector (CPU).
+
+The connector is built as vLLM builds it (``vllm_config``, role, ``KVCacheConfig``);
+requests are vLLM ``Request`` objects with real block hashes; presence lives in the
+spec's real ``CPUOffloadingManager`` (stores prepared and completed through it). The
+stock ``OffloadingConnector`` with the same spec runs beside it on the same stored
+chunks, and both answers are judged by ``hit_judge.hit_is_valid``.
+
+Everything skips, with the import error as the reason, where vLLM cannot be imported.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+from typing import Any
+from unittest.mock import patch
+
+import pytest
+import torch
+
+try:
+    from vllm.config import CacheConfig, KVTransferConfig, ParallelConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading import config as offload_config
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+        OffloadingConnector,
+    )
+    from vllm.platforms import current_platform
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import (
+        get_request_block_hasher,
+        init_none_hash,
+        resolve_kv_cache_block_sizes,
+    )
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MambaSpec,
+        SlidingWindowSpec,
+    )
+    from vllm.v1.kv_offload.base import LookupResult
+    from vllm.v1.request import Request
+
+    VLLM_ERROR: str | None = None
+except ImportError as error:  # pragma: no cover - exercised where vllm is absent
+    VLLM_ERROR = f"vllm cannot be imported: {error}"
+
+from hit_judge import hit_is_valid, largest_valid_hit
+
+pytestmark = pytest.mark.skipif(VLLM_ERROR is not None, reason=VLLM_ERROR or "")
+
+MODULE = "triton_offload.vllm"
+
+
+def attention(block: int) -> Any:
+    return FullAttentionSpec(block_size=block, num_kv_heads=1, head_size=4, dtype=torch.float32)
+
+
+def mamba(block: int) -> Any:
+    return MambaSpec(
+        block_size=block, shapes=((2, 4),), dtypes=(torch.float32,), mamba_cache_mode="align"
+    )
+
+
+def window(block: int, tokens: int) -> Any:
+    return SlidingWindowSpec(
+        block_size=block, num_kv_heads=1, head_size=4, dtype=torch.float32, sliding_window=tokens
+    )
+
+
+class Engine:
+    """One scheduler-side connector (ours or vLLM's stock one) over real vLLM objects."""
+
+    def __init__(
+        self,
+        specs: list[Any],
+        *,
+        stock: bool = False,
+        tp: int = 1,
+        dcp: int = 1,
+        role: Any = None,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        extra_config: dict[str, Any] = {"cpu_bytes_to_use": 1 << 22, **(extra or {})}
+        if stock:
+            extra_config |= {"spec_name": "TritonOffloadingSpec", "spec_module_path": MODULE}
+        with patch.object(current_platform, "device_count", return_value=tp):
+            parallel = ParallelConfig(tensor_parallel_size=tp, decode_context_parallel_size=dcp)
+        self.vllm_config = SimpleNamespace(
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="OffloadingConnector" if stock else "TritonOffloadingConnector",
+                kv_connector_module_path=None if stock else MODULE,
+                kv_role="kv_both",
+                kv_connector_extra_config=extra_config,
+                engine_id="engine-0",
+            ),
+            parallel_config=parallel,
+            cache_config=CacheConfig(
+                block_size=min(s.block_size for s in specs),
+                enable_prefix_caching=True,
+                mamba_cache_mode="align",
+            ),
+            model_config=SimpleNamespace(
+                model="hybrid",
+                use_mla=False,
+                max_model_len=4096,
+                dtype=torch.float32,
+                get_total_num_kv_heads=lambda: tp,
+            ),
+            kv_events_config=None,
+            use_v2_model_runner=False,
+            speculative_config=None,
+            attention_config=SimpleNamespace(hisparse_config=None),
+        )
+        self.kv_cache_config = KVCacheConfig(
+            num_blocks=256,
+            kv_cache_tensors=[],
+            kv_cache_groups=[
+                KVCacheGroupSpec([f"layer.{i}"], spec) for i, spec in enumerate(specs)
+            ],
+        )
+        import triton_offload.vllm as tv
+
+        cls = OffloadingConnector if stock else tv.TritonOffloadingConnector
+        self.connector = cls(
+            self.vllm_config, role or KVConnectorRole.SCHEDULER, self.kv_cache_config
+        )
+        _, self.hash_block_size = resolve_kv_cache_block_sizes(
+            self.kv_cache_config, self.vllm_config
+        )
+        init_none_hash(sha256)
+        self.hasher = get_request_block_hasher(self.hash_block_size, sha256)
+
+    @property
+    def scheduler(self) -> Any:
+        return self.connector.connector_scheduler
+
+    def request(self, req_id: str, num_tokens: int) -> Any:
+        request = Request(
+            request_id=req_id,
+            prompt_token_ids=[(7 * i + 3) % 50 for i in range(num_tokens)],
+            sampling_params=SamplingParams(max_tokens=4),
+            pooling_params=None,
+            block_hasher=self.hasher,
+        )
+        self.connector.on_new_request(request)
+        state = self.scheduler._req_status[req_id]
+        state.update_offload_keys()
+        return request
+
+    def store(self, request: Any, chunks: list[list[int]], *, complete: bool = True) -> None:
+        """Store chunks ``chunks[g]`` of each group through the CPU manager."""
+        state = self.scheduler._req_status[request.request_id]
+        keys = [
+            group_state.offload_keys[c]
+            for group_state, group_chunks in zip(state.group_states, chunks, strict=True)
+            for c in group_chunks
+        ]
+        manager = self.scheduler.manager
+        prepared = manager.prepare_store(keys, state.req_context)
+        assert prepared is not None and prepared.keys_to_store == keys
+        if complete:
+            manager.complete_store(keys, state.req_context)
+
+    def hit(self, request: Any, computed: int = 0) -> int | None:
+        tokens, _ = self.connector.get_num_new_matched_tokens(request, computed)
+        self.scheduler._release_step()  # what build_connector_meta does at the step's end
+        return tokens
+
+
+def presence(plan: Any, num_tokens: int, chunks: list[list[int]]) -> list[list[bool]]:
+    return [
+        [c in group_chunks for c in range(num_tokens // g.tokens_per_chunk)]
+        for g, group_chunks in zip(plan.groups, chunks, strict=True)
+    ]
+
+
+def both(specs: list[Any], num_tokens: int, chunks: list[list[int]], **options: Any) -> Any:
+    """(ours, stock, plan, present): both connectors' hits on the same stored chunks."""
+    ours, stock = Engine(specs, **options), Engine(specs, stock=True, **options)
+    answers = []
+    for engine in (ours, stock):
+        request = engine.request("r", num_tokens)
+        engine.store(request, chunks)
+        answers.append(engine.hit(request))
+    plan = ours.connector.triton_plan
+    return answers[0], answers[1], plan, presence(plan, num_tokens, chunks)
+
+
+# ---------------------------------------------------------------- the stock bug
+
+
+def test_stock_lookup_ends_inside_a_mamba_chunk_the_connector_does_not(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """vLLM 0.33 accepts full attention block 4 + Mamba block 16 (align) (its own tests
+    build it). A 64-token prompt: the bound 63 is rounded down to 48 once; full
+    attention chunk 10 (tokens 40-43) is absent, so full attention cuts the hit to 40,
+    inside Mamba chunk 2 (32-48). The stock Mamba check accepts that chunk and loads
+    40 tokens: the state after token 47 restored at position 40. The connector loads
+    32 (the state after token 31, stored in chunk 1)."""
+    chunks = [[c for c in range(16) if c != 10], [0, 1, 2]]
+    with caplog.at_level(logging.WARNING, logger="vllm.triton_offload"):
+        ours, stock, plan, present = both([attention(4), mamba(16)], 64, chunks)
+    assert stock == 40
+    assert not hit_is_valid(plan, 64, 0, present, stock)
+    assert ours == 32
+    assert hit_is_valid(plan, 64, 0, present, ours)
+    # The plain-spec path warned at start-up, naming the groups; ours logged the case.
+    assert "stock OffloadingConnector lookup can end a hit inside a Mamba chunk" in caplog.text
+    assert "group 1 (16-token chunks if it is Mamba state) cut by group 0 (4-token" in caplog.text
+    assert "vLLM's stock lookup would load 40 tokens after 0, an invalid hit" in caplog.text
+    assert "group 1 ('vllm group 1', mamba): hit end 40 is off its 16-token chunk grid" in (
+        caplog.text
+    )
+
+
+def test_connector_keeps_a_valid_stock_hit_shorter_than_a_chunk() -> None:
+    """Full attention block 64 + sliding window 16 in 16-token blocks, 100 tokens: the
+    window cuts the hit to 48, under the full-attention chunk; valid, and both load it."""
+    chunks = [[0], [0, 1, 2, 4, 5]]
+    ours, stock, plan, present = both([attention(64), window(16, 16)], 100, chunks)
+    assert ours == stock == 48
+    assert hit_is_valid(plan, 100, 0, present, 48)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_seed_geometry_agrees_with_stock(seed: int) -> None:
+    """TP=2, DCP=2, full attention block 16 + Mamba block 16 align: spans (32, 16); the
+    attention grid is a multiple of the Mamba grid, so the stock cuts stay on it and both
+    answers agree (and are valid) on random pools."""
+    import random
+
+    rng = random.Random(seed)
+    num_tokens = rng.choice([64, 97, 160, 223])
+    chunks = [
+        [c for c in range(num_tokens // 32) if rng.random() < 0.8],
+        [c for c in range(num_tokens // 16) if rng.random() < 0.7],
+    ]
+    ours, stock, plan, present = both([attention(16), mamba(16)], num_tokens, chunks, tp=2, dcp=2)
+    assert [g.tokens_per_block for g in plan.groups] == [32, 16]
+    assert ours == stock
+    if ours:
+        assert hit_is_valid(plan, num_tokens, 0, present, ours)
+
+
+def test_seed_worked_example_is_32() -> None:
+    ours, stock, _, _ = both([attention(16), mamba(16)], 64, [[0, 1], [1, 3]], tp=2, dcp=2)
+    assert ours == stock == 32
+
+
+def test_pending_store_defers_then_hits() -> None:
+    """A chunk whose store is still in flight (HIT_PENDING) defers the lookup, as vLLM's
+    does; once the store completes, the planned hit comes back."""
+    engine = Engine([attention(4), mamba(16)])
+    request = engine.request("r", 64)
+    engine.store(request, [list(range(12)), [0, 1, 2]], complete=False)
+    assert engine.hit(request) is None
+    state = engine.scheduler._req_status["r"]
+    keys = [k for g in state.group_states for k in g.offload_keys]
+    assert engine.scheduler.manager.lookup(keys[0], state.req_context) is LookupResult.HIT_PENDING
+    stored = [g.offload_keys[: (12 if i == 0 else 3)] for i, g in enumerate(state.group_states)]
+    engine.scheduler.manager.complete_store([k for g in stored for k in g], state.req_context)
+    assert engine.hit(request) == 48
+
+
+def test_computed_tokens_and_caps_are_honoured() -> None:
+    engine = Engine([attention(4), mamba(16)])
+    request = engine.request("r", 97)
+    engine.store(request, [list(range(24)), [0, 1, 2, 3, 4, 5]])
+    assert engine.hit(request) == 96
+    assert engine.hit(request, computed=32) == 64
+    capped = engine.scheduler.get_num_new_matched_tokens(request, 0, max_num_new_tokens=70)
+    engine.scheduler._release_step()
+    assert capped == (64, True)  # the cap 70 rounded down to the Mamba grid
+
+
+# ---------------------------------------------------------------- start-up checks
+
+
+@pytest.mark.parametrize("role_name", ["SCHEDULER", "WORKER"])
+def test_span_mismatch_names_each_group(monkeypatch: pytest.MonkeyPatch, role_name: str) -> None:
+    """A vLLM whose spans scale Mamba by DCP (the seed's span bug) fails at start-up in
+    the scheduler and in the worker, naming the group, its kind and both numbers."""
+    monkeypatch.setattr(
+        offload_config, "resolve_dcp_kv_block_size", lambda spec, dcp: spec.block_size * dcp
+    )
+    with pytest.raises(ValueError) as info:
+        Engine([attention(16), mamba(16)], tp=2, dcp=2, role=getattr(KVConnectorRole, role_name))
+    message = str(info.value)
+    assert "group 1 (mamba, block 16, not DCP-scaled): planner 16 tokens per block, vLLM 32" in (
+        message
+    )
+    assert "group 0" not in message  # attention agrees (32 = 16 x DCP 2)
+
+
+def test_connector_selects_its_spec_and_logs(caplog: pytest.LogCaptureFixture) -> None:
+    import triton_offload.vllm as tv
+
+    with caplog.at_level(logging.INFO, logger="vllm.triton_offload"):
+        engine = Engine([attention(4), mamba(16)])
+    assert isinstance(engine.connector, OffloadingConnector)
+    assert isinstance(engine.scheduler, tv.TritonOffloadingConnectorScheduler)
+    extra = engine.vllm_config.kv_transfer_config.kv_connector_extra_config
+    assert extra["spec_name"] == "TritonOffloadingSpec"
+    assert "spans [4, 16] tokens per block match vLLM's OffloadingConfig" in caplog.text
+    assert "vLLM's stock lookup could end off the Mamba grid here" in caplog.text
+    # The plain-spec warning is for the stock connector only.
+    assert "stock OffloadingConnector lookup can end" not in caplog.text
+    worker = Engine([attention(4), mamba(16)], role=KVConnectorRole.WORKER)
+    assert worker.connector.connector_worker is not None
+
+
+def test_named_spec_is_kept() -> None:
+    engine = Engine([attention(16)], extra={"spec_name": "CPUOffloadingSpec"})
+    spec_name = engine.vllm_config.kv_transfer_config.kv_connector_extra_config["spec_name"]
+    assert spec_name == "CPUOffloadingSpec"
+
+
+def test_factory_resolves_the_connector_by_module_path() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    import triton_offload.vllm as tv
+
+    config = KVTransferConfig(
+        kv_connector="TritonOffloadingConnector",
+        kv_connector_module_path=MODULE,
+        kv_role="kv_both",
+    )
+    assert KVConnectorFactory.get_connector_class(config) is tv.TritonOffloadingConnector
+    assert KVConnectorFactory.supports_hma_config(config)
+
+
+# ---------------------------------------------------------------- end to end
+
+
+class Serving:
+    """Our connector in both roles over CPU tensors: the scheduler side (real requests,
+    block hashes, CPU manager), the worker side (``register_kv_caches`` on real tensors,
+    the TransferEngine moving bytes), and vLLM's own KV managers allocating the loading
+    request's blocks. The core scheduler's part (scheduler outputs, the Mamba boundary
+    hand-offs) is played here step by step."""
+
+    NUM_BLOCKS = 256
+
+    def __init__(self, specs: list[Any]) -> None:
+        from vllm.v1.core.block_pool import BlockPool
+        from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+        self.scheduler_side = Engine(specs)
+        self.worker_side = Engine(specs, role=KVConnectorRole.WORKER)
+        self.specs = specs
+        generator = torch.Generator().manual_seed(0)
+        self.tensors: dict[str, torch.Tensor] = {}
+        for index, spec in enumerate(specs):
+            shape = spec.shapes[0] if isinstance(spec, MambaSpec) else (2, spec.block_size, 1, 4)
+            self.tensors[f"layer.{index}"] = torch.randn(
+                self.NUM_BLOCKS, *shape, generator=generator
+            )
+        self.worker_side.connector.register_kv_caches(self.tensors)
+        self.engine = self.worker_side.connector.connector_worker.worker.engine
+        pool = BlockPool(self.NUM_BLOCKS, enable_caching=True, hash_block_size=4)
+        scheduler_block = max(s.block_size for s in specs)
+        self.managers = [
+            KVCacheSpecRegistry.get_manager_class(spec)(
+                kv_cache_spec=spec,
+                block_pool=pool,
+                enable_caching=True,
+                kv_cache_group_id=index,
+                scheduler_block_size=scheduler_block,
+            )
+            for index, spec in enumerate(specs)
+        ]
+
+    @property
+    def connector(self) -> Any:
+        return self.scheduler_side.connector
+
+    def step(self, output: Any) -> set[str]:
+        """One engine step: scheduler metadata -> worker transfers -> worker report."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+            OffloadingWorkerMetadata,
+        )
+        from vllm.forward_context import ForwardContext
+        from vllm.v1.outputs import KVConnectorOutput
+
+        meta = self.connector.build_connector_meta(output)
+        worker = self.worker_side.connector
+        worker.handle_preemptions(meta)
+        worker.bind_connector_metadata(meta)
+        worker.start_load_kv(
+            ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})
+        )
+        worker.wait_for_save()
+        _, received = worker.get_finished(set(output.finished_req_ids))
+        report = worker.build_connector_worker_meta() or OffloadingWorkerMetadata()
+        worker.clear_connector_metadata()
+        self.connector.update_connector_output(
+            KVConnectorOutput(finished_recving=received, kv_connector_worker_meta=report)
+        )
+        return set(received or ())
+
+    @staticmethod
+    def output(
+        new: list[tuple[str, tuple[list[int], ...]]] = (),  # type: ignore[assignment]
+        scheduled: dict[str, int] | None = None,
+        finished: set[str] | None = None,
+        handoffs: dict[str, list[tuple[int, int, int]]] | None = None,
+    ) -> Any:
+        from vllm.v1.core.sched.output import KVConnectorBlockState
+
+        return SimpleNamespace(
+            scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=b) for r, b in new],
+            scheduled_cached_reqs=SimpleNamespace(
+                req_ids=[], new_block_ids=[], resumed_req_ids=set()
+            ),
+            num_scheduled_tokens=scheduled or {},
+            finished_req_ids=finished or set(),
+            preempted_req_ids=set(),
+            kv_cache_block_copies=None,
+            kv_connector_block_state=None
+            if handoffs is None
+            else KVConnectorBlockState(
+                req_ids=set(handoffs),
+                resolve_block_ids={}.__getitem__,
+                boundary_state_offloads=handoffs,
+            ),
+        )
+
+    def store_prompt(self, num_tokens: int) -> tuple[Any, list[list[int]]]:
+        """Request A computes ``num_tokens`` prompt tokens in blocks from id 128 up and
+        finishes; its chunks are stored. Returns (request, block ids per group)."""
+        from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+        from vllm.v1.request import RequestStatus
+
+        request = self.scheduler_side.request("A", num_tokens)
+        assert self.connector.get_num_new_matched_tokens(request, 0) == (0, False)
+        self.connector.update_state_after_alloc(
+            request, KVCacheBlocks(tuple([] for _ in self.specs)), 0
+        )
+        next_id = 128
+        block_ids: list[list[int]] = []
+        handoffs = []
+        for index, spec in enumerate(self.specs):
+            count = -(-num_tokens // spec.block_size)
+            block_ids.append(list(range(next_id, next_id + count)))
+            next_id += count
+            if isinstance(spec, MambaSpec):
+                # The core hands over the block holding the state at each chunk boundary.
+                tpc = spec.block_size
+                handoffs += [
+                    (index, block_ids[index][b // spec.block_size - 1], b)
+                    for b in range(tpc, num_tokens + 1, tpc)
+                ]
+        self.step(
+            self.output(
+                new=[("A", tuple(block_ids))],
+                scheduled={"A": num_tokens},
+                handoffs={"A": handoffs} if handoffs else None,
+            )
+        )
+        request.num_computed_tokens = num_tokens
+        request.status = RequestStatus.FINISHED_STOPPED
+        self.connector.request_finished(request, [])
+        self.step(self.output(finished={"A"}))
+        for _ in range(3):  # deferred store submissions and their reports
+            if not self.connector.connector_scheduler._jobs:
+                break
+            self.step(self.output())
+        assert not self.connector.connector_scheduler._jobs
+        return request, block_ids
+
+    def stored_chunks(self, num_tokens: int) -> list[list[int]]:
+        """Which chunks of the prompt the CPU manager holds, per group (a probe request)."""
+        probe = self.scheduler_side.request("probe", num_tokens)
+        state = self.connector.connector_scheduler._req_status[probe.request_id]
+        manager = self.connector.connector_scheduler.manager
+        return [
+            [
+                c
+                for c, key in enumerate(group.offload_keys)
+                if manager.lookup(key, state.req_context) is LookupResult.HIT
+            ]
+            for group in state.group_states
+        ]
+
+    def load_prompt(self, num_tokens: int) -> tuple[int, list[list[Any]]]:
+        """Request B (same prompt) looks up, vLLM's managers allocate its blocks, the
+        load runs. Returns (hit tokens, B's blocks per group)."""
+        from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+
+        request = self.scheduler_side.request("B", num_tokens)
+        hit, load_async = self.connector.get_num_new_matched_tokens(request, 0)
+        assert hit and load_async
+        for manager in self.managers:
+            manager.add_local_computed_blocks("B", [], 0, hit)
+        for manager in self.managers:
+            manager.allocate_external_computed_blocks("B", 0, hit)
+        blocks = [list(m.req_to_blocks["B"]) for m in self.managers]
+        self.connector.update_state_after_alloc(request, KVCacheBlocks(tuple(blocks)), hit)
+        received = self.step(self.output())
+        for _ in range(3):
+            if "B" in received:
+                break
+            received |= self.step(self.output())
+        assert "B" in received
+        return hit, blocks
+
+
+@pytest.mark.parametrize(
+    ("specs", "num_tokens"),
+    [
+        ([attention(4), mamba(16)], 65),  # attention + Mamba (align)
+        ([attention(4), window(4, 8)], 41),  # attention + sliding window
+    ],
+    ids=["attention+mamba", "attention+sliding-window"],
+)
+def test_store_lookup_load_through_vllm_connector_bytes_exact(
+    specs: list[Any], num_tokens: int
+) -> None:
+    serving = Serving(specs)
+    _, source_ids = serving.store_prompt(num_tokens)
+    stored = serving.stored_chunks(num_tokens)
+    if any(isinstance(s, SlidingWindowSpec) for s in specs):
+        assert stored[1] == [8, 9]  # vLLM stores only the window chunks a hit can read
+    else:
+        assert stored == [list(range(16)), [0, 1, 2, 3]]  # Mamba: every boundary state
+    sources = {name: tensor.clone() for name, tensor in serving.tensors.items()}
+    # Poison every block the loading request may get (the pool hands out low ids).
+    for tensor in serving.tensors.values():
+        tensor[1:128] = 7.0
+    before = {name: tensor.clone() for name, tensor in serving.tensors.items()}
+    hit, blocks = serving.load_prompt(num_tokens)
+    plan = serving.connector.triton_plan
+    # The hit is the largest valid one on what vLLM's connector stored.
+    present = presence(plan, num_tokens, stored)
+    assert hit == largest_valid_hit(plan, num_tokens, 0, present) > 0
+    assert hit_is_valid(plan, num_tokens, 0, present, hit)
+    moved = 0
+    for index, group_blocks in enumerate(blocks):
+        name = f"layer.{index}"
+        expected = before[name].clone()
+        block_size = specs[index].block_size
+        for position, block in enumerate(group_blocks[: -(-hit // block_size)]):
+            if block.is_null:
+                continue
+            expected[block.block_id] = sources[name][source_ids[index][position]]
+            moved += 1
+        assert torch.equal(serving.tensors[name], expected), name
+    assert moved > 0
+    # Source blocks were left as they were.
+    for index, ids in enumerate(source_ids):
+        name = f"layer.{index}"
+        assert torch.equal(serving.tensors[name][ids], sources[name][ids])
+
+
+def test_lazy_presence_asks_the_manager_only_for_what_the_scan_reads() -> None:
+    """A 128k-token prompt fully stored: the planned lookup reads a few chunks of the
+    windowed groups and the prefix of the unbounded one, memoised."""
+    from triton_offload import GroupSpec, plan_offload
+    from triton_offload.vllm_connector import LazyPresence
+
+    class Manager:
+        calls = 0
+
+        def lookup(self, key: Any, context: Any) -> Any:
+            Manager.calls += 1
+            return LookupResult.HIT if key != ("full", 3) else LookupResult.HIT_PENDING
+
+    plan = plan_offload(
+        [
+            GroupSpec("full_attention", 16),
+            GroupSpec("sliding_window", 16, sliding_window=1024),
+            GroupSpec("mamba", 16, mamba_cache_mode="align"),
+        ]
+    )
+    n = 128 * 1024
+    names = ["full", "swa", "mamba"]
+    rows = [
+        LazyPresence(Manager(), [(names[g], c) for c in range(n // 16)], None, LookupResult.HIT)
+        for g in range(3)
+    ]
+    # Full attention chunk 3 is still being stored (pending): the hit stops before it.
+    assert plan.lookup(n, 0, rows) == 48
+    assert Manager.calls == sum(row.lookups for row in rows) < 16
+    assert rows[0][3] is False and rows[0][-1] is True and rows[0][0:2] == [True, True]
