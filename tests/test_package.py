@@ -137,5 +137,7 @@ def test_kernels_hold_only_jit_code_launchers_and_grid_functions() -> None:
 
 
 def test_only_the_vllm_modules_import_vllm() -> None:
-    assert offenders(LIBRARY, "vllm", allowed=("vllm.py", "vllm_region.py", "vllm_connector.py")) == []
+    assert (
+        offenders(LIBRARY, "vllm", allowed=("vllm.py", "vllm_region.py", "vllm_connector.py")) == []
+    )
     assert offenders(KERNELS, "vllm") == []

@@ -32,7 +32,7 @@ def _no_run(*_: object, **__: object) -> None:
         (
             ["--blocks-per-chunk", "100000"],
             "--blocks-per-chunk 100000: chunks of up to 3,200,000 tokens make prompts of up to "
-            "11,200,001 tokens and would need 810.0 GiB of caches and host pools; verify runs "
+            "38,400,001 tokens and would need 879.7 GiB of caches and host pools; verify runs "
             "requests of at most 4,096 tokens",
         ),
         (["--blocks-per-chunk", "1000"], "--blocks-per-chunk 1000: chunks of up to 32,000"),
@@ -43,7 +43,7 @@ def _no_run(*_: object, **__: object) -> None:
         (["--dcp", "1000"], "--dcp 1000: chunks of up to 32,000 tokens"),
         (
             ["--max-new-tokens", "5000"],
-            "--max-new-tokens 5000: with prompts of up to 225 tokens a request reaches 5,225",
+            "--max-new-tokens 5000: with prompts of up to 385 tokens a request reaches 5,385",
         ),
         (["--preset", "hybrid"], "argument --preset: invalid choice: 'hybrid'"),
         (["--preset", "mamba-hybrid"], "argument --preset: invalid choice: 'mamba-hybrid'"),
