@@ -265,7 +265,9 @@ def _random_vllm_case(rng: random.Random) -> tuple[OffloadPlan, int, int, list[l
             specs.append(GroupSpec(kind, mamba_block, mamba_cache_mode=mode, name=f"m{index}"))
         else:
             specs.append(GroupSpec(kind, block))
-    plan = plan_offload(specs, ParallelSpec(tp_size=dcp, dcp_size=dcp), blocks_per_chunk=rng.randint(1, 3))
+    plan = plan_offload(
+        specs, ParallelSpec(tp_size=dcp, dcp_size=dcp), blocks_per_chunk=rng.randint(1, 3)
+    )
     num_tokens = rng.randint(1, 600)
     smallest = min(g.tokens_per_chunk for g in plan.groups)
     computed = rng.choice([0, 0, rng.randint(0, num_tokens // smallest) * smallest])
