@@ -35,12 +35,19 @@ def storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage()).clone()
 
 
-@pytest.mark.parametrize("threads", [1, 3], ids=["one-thread", "three-threads"])
+@pytest.mark.parametrize(
+    ("threads", "small_pages"),
+    [(1, 0), (3, 0), (1, cpu_copy.SMALL_JOB_PAGES)],
+    ids=["one-thread", "three-threads", "small-job"],
+)
 @pytest.mark.parametrize("direction", [cpu_copy.TO_POOL, cpu_copy.FROM_POOL])
 def test_copy_pages_matches_reference(
-    direction: int, threads: int, monkeypatch: pytest.MonkeyPatch
+    direction: int, threads: int, small_pages: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # With thresholds at zero every job takes the threaded path when threads > 1.
+    # The three ways through copy_pages: merged runs on one thread, the threaded path
+    # (thresholds at zero: every job takes it when threads > 1), and the per-page path
+    # of small jobs (the job below has 15 pages).
+    monkeypatch.setattr(cpu_copy, "SMALL_JOB_PAGES", small_pages)
     monkeypatch.setattr(cpu_copy, "PARALLEL_MIN_JOB_BYTES", 0)
     monkeypatch.setattr(cpu_copy, "PARALLEL_MIN_RUN_BYTES", 0)
     monkeypatch.setattr(cpu_copy, "copy_threads", lambda: threads)
@@ -84,7 +91,7 @@ def test_copy_pages_matches_reference(
             assert moved == 4 * (42 + 37) + 3 * 5
             # The threaded path hands one interleaved share of the runs to each thread;
             # the one-thread path copies plane by plane without it.
-            assert len(shares) == (threads if threads > 1 else 0)
+            assert len(shares) == (threads if threads > 1 and not small_pages else 0)
         else:
             reference_copy(
                 [plane.view for plane in layout.planes],

@@ -607,6 +607,38 @@ def test_random_jobs_match_the_reference(data: st.DataObject, blocks_per_chunk: 
                 engine.layout.planes[index].view[gpu[group]] = 0x5A
 
 
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), blocks_per_chunk=st.integers(1, 3))
+def test_small_and_large_job_paths_build_and_reject_alike(
+    data: st.DataObject, blocks_per_chunk: int
+) -> None:
+    """Small jobs are built with Python ints, large ones with numpy: same tables, same
+    verdicts (ids drawn with repeats so that clashes and range errors occur)."""
+    from triton_offload import jobs
+
+    caches, _ = hybrid_caches()
+    engine = make_engine(caches, blocks_per_chunk, "torch")
+    ids = st.lists(st.integers(0, NUM_BLOCKS), max_size=5)
+    rows = st.lists(st.integers(0, NUM_HOST_BLOCKS), max_size=3)
+    spec = jobs.JobSpec(
+        [data.draw(ids) for _ in range(3)],
+        [data.draw(rows) for _ in range(3)],
+        [data.draw(st.integers(0, 5)) for _ in range(3)],
+    )
+    direction = data.draw(st.sampled_from([jobs.TO_POOL, jobs.FROM_POOL]))
+    outcomes = []
+    for limit in (jobs.SMALL_JOB_PAIRS, 0):
+        original, jobs.SMALL_JOB_PAIRS = jobs.SMALL_JOB_PAIRS, limit
+        try:
+            table = jobs.pair_table(engine.layout, NUM_HOST_BLOCKS, spec, direction)
+            outcomes.append(("ok", table.pairs.tolist(), table.offsets.tolist()))
+        except ValueError as error:
+            outcomes.append(("error", str(error).split(" ")[:2], None))
+        finally:
+            jobs.SMALL_JOB_PAIRS = original
+    assert outcomes[0] == outcomes[1]
+
+
 class _TimedEvent(_FakeEvent):
     """A stand-in event that remembers the host time of its record."""
 

@@ -29,8 +29,13 @@ def make_caches() -> list:
     return [[(kv[0], kv[1])], [(conv, ssm)]]
 
 
-@pytest.fixture
-def engine() -> TransferEngine:
+@pytest.fixture(params=["python", "numpy"])
+def engine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> TransferEngine:
+    """An engine; jobs built and checked by the small-job (Python) or the numpy path."""
+    if request.param == "numpy":
+        from triton_offload import jobs
+
+        monkeypatch.setattr(jobs, "SMALL_JOB_PAIRS", 0)
     return TransferEngine(two_group_plan(), make_caches(), HOST_BLOCKS, backend="torch")
 
 

@@ -60,6 +60,10 @@ PARALLEL_MIN_RUN_BYTES = 32 << 10
 PARALLEL_MIN_JOB_BYTES = 4 << 20
 #: Copy threads at most (memory bandwidth, not cores, is the limit beyond a few).
 MAX_COPY_THREADS = 4
+#: Jobs of at most this many pages are copied page by page with Python ints, without
+#: numpy: merging runs saves little on so few pages, and numpy's per-call cost (some 15
+#: calls per plane) was most of a 16-page job's time (``bench/bench_small_jobs.py``).
+SMALL_JOB_PAGES = 256
 
 _pool_lock = threading.Lock()
 _thread_pool: ThreadPoolExecutor | None = None
@@ -173,6 +177,18 @@ def copy_pages(
     when None). Pool row ``r`` starts at ``pool_address + r * pool_row_bytes`` (the row
     stride). Addresses are host addresses (CPU tensors only).
     """
+    bounds = group_offsets.tolist()
+    group_planes = layout.group_planes
+    if planes is not None:
+        wanted = frozenset(planes)
+        group_planes = tuple(tuple(i for i in m if i in wanted) for m in group_planes)
+    pages = sum(
+        (bounds[g + 1] - bounds[g]) * len(members) for g, members in enumerate(group_planes)
+    )
+    if pages <= SMALL_JOB_PAGES:
+        return _copy_small(
+            layout, pool_address, pool_row_bytes, pairs.tolist(), bounds, direction, group_planes
+        )
     moved = 0
     all_runs = list(
         plane_runs(layout, pool_address, pool_row_bytes, pairs, group_offsets, direction, planes)
@@ -218,8 +234,39 @@ def copy_pages(
     return moved
 
 
+def _copy_small(
+    layout: CacheLayout,
+    pool_address: int,
+    pool_row_bytes: int,
+    rows: list[list[int]],
+    bounds: list[int],
+    direction: int,
+    group_planes: tuple[tuple[int, ...], ...],
+) -> int:
+    """:func:`copy_pages` for a few pages: one memmove per page, addresses as Python ints."""
+    memmove, store, moved = _memmove, direction == TO_POOL, 0
+    for group, members in enumerate(group_planes):
+        part = rows[bounds[group] : bounds[group + 1]]
+        if not part:
+            continue
+        for index in members:
+            plane = layout.planes[index]
+            base, stride, page = plane.base_address, plane.block_stride, plane.page_bytes
+            pool_base = pool_address + plane.pool_offset
+            for block, row, slot in part:
+                cache = base + block * stride
+                pool = pool_base + row * pool_row_bytes + slot * page
+                if store:
+                    memmove(pool, cache, page)
+                else:
+                    memmove(cache, pool, page)
+            moved += page * len(part)
+    return moved
+
+
 __all__ = [
     "FROM_POOL",
+    "SMALL_JOB_PAGES",
     "TO_POOL",
     "PlaneRuns",
     "copy_pages",

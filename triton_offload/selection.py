@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -112,7 +112,7 @@ def parse_crossover(configured: int | Mapping[str, int] | None) -> Crossover | N
 class PathPolicy:
     """Decides a job's assignment of planes to copiers."""
 
-    def assign(self, direction: int, counts: np.ndarray) -> Assignment:
+    def assign(self, direction: int, counts: Sequence[int]) -> Assignment:
         """``counts[g]``: GPU blocks of group g in the job."""
         raise NotImplementedError
 
@@ -124,7 +124,7 @@ class FixedPath(PathPolicy):
         self.name = name
         self._all: Assignment = ((name, None),)
 
-    def assign(self, direction: int, counts: np.ndarray) -> Assignment:
+    def assign(self, direction: int, counts: Sequence[int]) -> Assignment:
         return self._all
 
 
@@ -138,15 +138,15 @@ class CrossoverPath(PathPolicy):
         self.crossover = crossover
         self.mode = mode
         self._page_bytes = [p.page_bytes for p in layout.planes]
-        self._bytes_per_block = np.asarray(layout.bytes_per_block, dtype=np.int64)
-        self._planes_per_group = np.asarray([len(p) for p in layout.group_planes])
+        self._bytes_per_block = layout.bytes_per_block
+        self._planes_per_group = [len(p) for p in layout.group_planes]
         self._cache: dict[tuple[int, tuple[str, ...]], Assignment] = {}
 
-    def assign(self, direction: int, counts: np.ndarray) -> Assignment:
+    def assign(self, direction: int, counts: Sequence[int]) -> Assignment:
         choose = self.crossover.choose
         if self.mode == "job":
-            pages = int((counts * self._planes_per_group).sum())
-            size = int((counts * self._bytes_per_block).sum())
+            pages = sum(c * p for c, p in zip(counts, self._planes_per_group, strict=True))
+            size = sum(c * b for c, b in zip(counts, self._bytes_per_block, strict=True))
             return ((choose(direction, size / max(pages, 1), pages), None),)
         winners = []
         for group, members in enumerate(self.layout.group_planes):
