@@ -377,6 +377,10 @@ class TritonCopier(Copier):
             tables = self._subsets[planes] = self._tables(planes)
         return tables
 
+    def warm_up(self) -> None:
+        """Compile the kernel before the first job (a launch that moves no byte)."""
+        self.kernels.warm_up(self.tables, self.pool_address, num_programs=self.grid(self.tables))
+
     def grid(self, tables: KernelTables) -> int:
         if self.num_programs is not None:
             return self.num_programs

@@ -272,6 +272,12 @@ class TransferEngine:
         self.copiers: dict[str, Copier] = {
             name: self._make_copier(name) for name in _BACKEND_COPIERS[backend]
         }
+        triton = self.copiers.get("triton")
+        if self.cuda and isinstance(triton, TritonCopier):
+            # Compile now: the first job would otherwise wait ~1 s for it mid-serving.
+            # On the current stream, after the table uploads it reads.
+            with torch.cuda.device(self.device):
+                triton.warm_up()
         self.crossover: Crossover | None = None
         self.policy: PathPolicy
         if backend == "auto":

@@ -254,6 +254,38 @@ def calibrate(engine: TransferEngine, names: tuple[str, str] = ("triton", "dma")
     return crossover
 
 
+def calibration_report() -> list[str]:
+    """The calibration an ``auto`` engine would run, on a hybrid layout (for ``info``).
+
+    Layout: 8 K/V planes of 4 KiB (attention, 16-token blocks at 8 KV heads x 128
+    x bf16 / TP 4) and a Mamba group with a 1,536-byte conv and a 256 KiB SSM plane;
+    one line per grid point with both copiers' times. Without CUDA there is nothing to
+    measure and the line says so.
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        return ["not run: needs CUDA (without it every job takes the CPU path)"]
+    from triton_offload import GroupSpec, plan_offload
+    from triton_offload.engine import TransferEngine
+
+    blocks = max(CALIBRATION_PAGES) + 8
+    plan = plan_offload(
+        [GroupSpec("full_attention", 16), GroupSpec("mamba", 16, mamba_cache_mode="align")],
+        blocks_per_chunk=1,
+    )
+    kv = [torch.zeros(2, blocks, 4096, dtype=torch.uint8, device="cuda") for _ in range(4)]
+    conv = torch.zeros(blocks, 1536, dtype=torch.uint8, device="cuda")
+    ssm = torch.zeros(blocks, 256 << 10, dtype=torch.uint8, device="cuda")
+    caches = [[(t[0], t[1]) for t in kv], [(conv, ssm)]]
+    engine = TransferEngine(plan, caches, 2 * blocks, backend="auto")
+    try:
+        assert engine.crossover is not None
+        return engine.crossover.describe()
+    finally:
+        engine.shutdown()
+
+
 __all__ = [
     "CALIBRATION_MAX_BYTES",
     "CALIBRATION_PAGES",
@@ -265,5 +297,6 @@ __all__ = [
     "PathChoice",
     "PathPolicy",
     "calibrate",
+    "calibration_report",
     "parse_crossover",
 ]
