@@ -66,8 +66,9 @@ NUM_WARPS = 4
 # the store, so we ask for twice that: with full 8 KiB tiles, 256 KiB / 8 KiB = 32
 # programs; with smaller pages (mean tile of 2 KiB: 128 programs) more, up to the SM
 # count. 32 of an H100's 132 SMs leaves the rest to the forward pass that runs
-# concurrently on the compute stream. Not tuned on a GPU yet: the bench sweep of
-# num_programs is the measurement that should replace this estimate.
+# concurrently on the compute stream. Not tuned on a GPU yet: bench/grid_sweep.py (a
+# step of bench/gpu_check.sh) sweeps num_programs x tile size on the hybrid presets and
+# prints the grid it would pick; its result should replace this estimate.
 PCIE_IN_FLIGHT_TARGET_BYTES = 256 * 1024
 # The interpreter runs programs one after another; a few programs still exercise the
 # grid-stride walk (items owned by several programs, group boundaries mid-stride).

@@ -91,6 +91,7 @@ class HostCopier(Copier):
         self.layout = layout
         self.pool_address = pool_address
         self.row_stride = row_stride
+        self._runs = cpu_copy.RunBuilder(layout)
 
     def prepare(
         self, table: PairTable, direction: int, planes: PlaneSubset, holds: JobHolds, stream: Any
@@ -100,7 +101,14 @@ class HostCopier(Copier):
 
         def run() -> None:
             cpu_copy.copy_pages(
-                layout, address, stride, table.pairs, table.offsets, direction, planes=subset
+                layout,
+                address,
+                stride,
+                table.pairs,
+                table.offsets,
+                direction,
+                planes=subset,
+                runs=self._runs,
             )
 
         return run
@@ -139,31 +147,30 @@ class DmaCopier(Copier):
             if batch is not None
             else (fallback_reason or "per-run cudaMemcpyAsync loop")
         )
+        self._runs = cpu_copy.RunBuilder(layout)
         self.last_copy_count = 0
         self.last_call_count = 0
 
     def descriptors(
         self, table: PairTable, direction: int, planes: PlaneSubset
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(targets, sources, lengths) of every merged run of the job: uint64 arrays."""
-        # Same runs, same addresses as the CPU path: only the copy call differs.
-        parts = list(
-            cpu_copy.plane_runs(
-                self.layout,
-                self.pool_address,
-                self.row_stride,
-                table.pairs,
-                table.offsets,
-                direction,
-                planes=_planes_of(self.layout, planes),
-            )
+        """(targets, sources, lengths) of every merged run of the job: uint64 arrays.
+
+        The CPU path's runs (same addresses, same merging), built with a fixed number
+        of numpy calls per group whatever the number of planes.
+        """
+        runs = self._runs.runs(
+            self.pool_address,
+            self.row_stride,
+            table.pairs,
+            table.offsets,
+            direction,
+            _planes_of(self.layout, planes),
         )
-        if not parts:
-            empty = np.zeros(0, dtype=np.uint64)
-            return empty, empty, empty
-        return tuple(  # type: ignore[return-value]
-            np.concatenate([getattr(p, name) for p in parts]).view(np.uint64)
-            for name in ("targets", "sources", "lengths")
+        return (
+            runs.targets.view(np.uint64),
+            runs.sources.view(np.uint64),
+            runs.lengths.view(np.uint64),
         )
 
     def prepare(
