@@ -382,6 +382,10 @@ class TritonCopier(Copier):
         tables = self._subsets.get(planes)
         if tables is None:
             tables = self._subsets[planes] = self._tables(planes)
+            if self.cuda:
+                # Uploaded on this job's stream; the other direction's stream may use
+                # them next, so the upload must be complete (once per subset).
+                torch.cuda.current_stream(self.device).synchronize()
         return tables
 
     def warm_up(self) -> None:
