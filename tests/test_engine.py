@@ -495,6 +495,14 @@ def test_cuda_job_flow_with_stand_in_streams(monkeypatch: pytest.MonkeyPatch) ->
     engine._streams = {0: _FakeStream("store", log), 1: _FakeStream("load", log)}
     engine.copiers = {"triton": triton}
     engine.policy = FixedPath("triton")
+    prepare = triton.prepare
+
+    def logged_prepare(*args: Any, **kwargs: Any) -> Any:
+        run = prepare(*args, **kwargs)  # staging fill and table upload happen here
+        log.append(("prepared", "store"))
+        return run
+
+    monkeypatch.setattr(triton, "prepare", logged_prepare)
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
@@ -503,10 +511,12 @@ def test_cuda_job_flow_with_stand_in_streams(monkeypatch: pytest.MonkeyPatch) ->
     gpu, host, first = store_job(1)
     assert engine.submit_store("a", gpu_blocks=gpu, host_blocks=host, first_block_index=first)
     # compute-stream event, store stream waits on it, then start, launch, end.
+    # The start event follows the host preparation: transfer_time is the copy alone.
     kinds = [entry[0] if entry[0] == "launch" else (entry[0], entry[1]) for entry in log]
     assert kinds == [
         ("record", "compute"),
         ("wait", "store"),
+        ("prepared", "store"),
         ("record", "store"),
         "launch",
         ("record", "store"),
