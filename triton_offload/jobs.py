@@ -16,7 +16,7 @@ that alias cache memory or share pool-row bytes).
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -133,6 +133,14 @@ class JobSpec:
     def num_pairs(self) -> int:
         """GPU blocks of the job over all groups (one pair-table row each)."""
         return sum(blocks.size for blocks in self.gpu_blocks)
+
+    @classmethod
+    def from_groups(cls, groups: Iterable[tuple[Any, Any, int]]) -> JobSpec:
+        """A spec from one ``(gpu_blocks, host_blocks, first_block_index)`` per group."""
+        parts = list(groups)
+        return cls(
+            [part[0] for part in parts], [part[1] for part in parts], [part[2] for part in parts]
+        )
 
     @classmethod
     def of(
