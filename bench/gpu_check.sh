@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# GPU check in one call: the CUDA tests, the preset bench, then the sweep, each under
-# its own time limit so that the whole run ends within GPU_CHECK_BUDGET seconds
-# (default 450: under 8 minutes, start-up included). The sweep gets what is left.
+# GPU check in one call: the CUDA tests, the preset bench, the launch-grid sweep
+# (num_programs x tile size, and per-plane vs per-job path choice, on the hybrid
+# presets), then the page sweep, each under its own time limit so that the whole run
+# ends within GPU_CHECK_BUDGET seconds (default 450: under 8 minutes, start-up
+# included). The page sweep gets what is left.
 #
 # Usage: bench/gpu_check.sh OUTPUT_DIR [--dry-run]
 #
@@ -22,7 +24,8 @@
 #   presets-report.md    bench report of the model presets
 #   sweep-report.md      bench report of the page-size x pages-per-job sweep
 #   presets-bandwidth.png, sweep-bandwidth.png   the two benches' plots
-#   details.tar.gz       everything: all logs, results.json and plots of both benches
+#   details.tar.gz       everything: all logs, results.json and plots of both benches,
+#                        grid-sweep/ (the launch-grid sweep; its pick is in summary.txt)
 # details.tar.gz is refreshed after every step, so a run stopped from outside keeps
 # what the finished steps wrote. Exit status: 0 when every step ran and passed.
 set -uo pipefail
@@ -211,6 +214,13 @@ bench() {  # bench NAME CAP ARGS...: --max-seconds leaves 40 s to write the resu
   pack
 }
 bench presets "$preset_cap" "${preset_args[@]}"
+# The launch-grid sweep: its own cap, so the page sweep after it keeps a share.
+if [ "$dry_run" = 1 ]; then grid_args=(--quick); grid_cap=40; else grid_args=(); grid_cap=60; fi
+grid_left=$(remaining)
+grid_limit=$((grid_left - 10 < grid_cap ? grid_left - 10 : grid_cap))
+step grid-sweep "$grid_cap" "$work/grid-sweep.log" "$py" -m triton_offload.bench.grid_sweep \
+  --out "$work/grid-sweep" --max-seconds $((grid_limit - 15 > 1 ? grid_limit - 15 : 1)) \
+  "${grid_args[@]}"
 if [ "$dry_run" = 1 ]; then sweep_cap=90; else sweep_cap=$(remaining); fi
 bench sweep "$sweep_cap" --sweep "${sweep_args[@]}"
 
@@ -240,6 +250,10 @@ PY
     grep -E '^(FAILED|Traceback)|^[A-Za-z_.]*(Error|Exception)(:|$)|^ +- cut: ' "$f" | head -12 |
       sed 's/^/  /'
   done
+  if [ -f "$work/grid-sweep/grid-sweep.txt" ]; then
+    echo "grid sweep:"
+    grep -E '^(grid sweep picks|choice )' "$work/grid-sweep/grid-sweep.txt" | sed 's/^/  /'
+  fi
   echo "wall $((SECONDS - start)) s of ${budget} s; exit $status"
 } | tee -a "$summary"
 pack

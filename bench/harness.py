@@ -181,9 +181,15 @@ def environment(device: torch.device) -> dict[str, Any]:
         info["vllm"] = importlib.metadata.version("vllm")
     except importlib.metadata.PackageNotFoundError:
         info["vllm"] = None
+    info["dma_path"] = None
     if device.type == "cuda":
+        from triton_offload.batch_copy import find_batch_copy
+
         info["gpu"] = torch.cuda.get_device_name(device)
         info["driver"] = _driver_version()
+        # Which DMA path the engine's "dma" backend takes here: the batched call, or
+        # the per-run loop and why (named in every result).
+        info["dma_path"] = find_batch_copy()[1]
     return info
 
 

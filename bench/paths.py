@@ -367,13 +367,14 @@ class EnginePath(_PoolPath):
         return seconds if self.ws.cuda else None
 
     def launches_per_job(self, direction: str) -> int | None:
-        # A DMA job enqueues one cudaMemcpyAsync per merged run, and the copier counts
-        # them: exact, and no profiler session (each costs a CUPTI start and teardown,
-        # and a trace of 100k copies takes seconds to collect). A Triton job (table
-        # upload and kernel) is counted on CUDA by the profiler (harness.count_device_ops).
+        # A DMA job is one cuMemcpyBatchAsync (or, on the fallback, one cudaMemcpyAsync
+        # per merged run), and the copier counts its driver calls: exact, and no profiler
+        # session (each costs a CUPTI start and teardown, and a trace of 100k copies
+        # takes seconds to collect). A Triton job (table upload and kernel) is counted on
+        # CUDA by the profiler (harness.count_device_ops).
         engine = self.engine
         if engine.cuda and engine.last_job_backend == "dma":
-            return int(engine.copiers["dma"].last_copy_count)
+            return int(engine.copiers["dma"].last_call_count)
         return None
 
     def close(self) -> None:

@@ -221,6 +221,8 @@ def _environment_line(env: dict[str, Any]) -> str:
         f"CUDA runtime {env.get('cuda_runtime') or 'n/a'}",
         f"vllm {env.get('vllm') or 'not importable'}",
     ]
+    if env.get("dma_path"):
+        parts.append(f"dma path: {env['dma_path']}")
     return ", ".join(parts)
 
 

@@ -78,8 +78,9 @@ _LAUNCH_OPTIONS: dict[str, int] = {
 # that: with full 8 KiB tiles, 256 KiB / 8 KiB = 32 programs; with smaller pages more
 # (mean tile of 2 KiB: 128 programs; 1 KiB: 256), up to MAX_PROGRAMS_PER_SM per SM. 32
 # of an H100's 132 SMs leaves the rest to the forward pass that runs concurrently on
-# the compute stream. Not tuned on a GPU yet: the bench sweep of num_programs is the
-# measurement that should replace this estimate.
+# the compute stream. Not tuned on a GPU yet: bench/grid_sweep.py (a step of
+# bench/gpu_check.sh) sweeps num_programs x tile size on the hybrid presets and prints
+# the grid it would pick; its result should replace this estimate.
 PCIE_IN_FLIGHT_TARGET_BYTES = 256 * 1024
 # Programs one SM may hold for small mean tiles. One per SM capped the grid at 132 on an
 # H100, i.e. ~132 KiB in flight at 1 KiB tiles and ~66 KiB at 512 B, below the ~110 KB

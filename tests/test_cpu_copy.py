@@ -12,6 +12,30 @@ from triton_offload.layout import build_layout
 from triton_offload.reference import reference_copy
 
 
+@pytest.mark.parametrize("subset", [None, (0, 2)])
+@pytest.mark.parametrize("direction", [cpu_copy.TO_POOL, cpu_copy.FROM_POOL])
+def test_stacked_runs_equal_the_per_plane_runs(direction: int, subset: tuple | None) -> None:
+    """RunBuilder (all planes of a group at once) against plane_runs (one plane at a time)."""
+    contiguous = torch.zeros(16, 3, 7, dtype=torch.float16)
+    padded = torch.zeros(16, 50, dtype=torch.uint8)[:, 3:40]
+    small = torch.zeros(16, 5, dtype=torch.uint8)
+    layout = build_layout([[contiguous, padded], [small]], num_groups=2, blocks_per_chunk=4)
+    pairs = np.array(
+        [[3, 2, 1], [4, 2, 2], [5, 2, 3], [9, 0, 0], [7, 4, 0], [8, 4, 1], [0, 1, 3]],
+        dtype=np.int64,
+    )
+    offsets = np.array([0, 4, 7], dtype=np.int64)
+    args = (1 << 40, layout.row_bytes + 32, pairs, offsets, direction, subset)
+    stacked = cpu_copy.RunBuilder(layout).runs(*args)
+    per_plane = list(cpu_copy.plane_runs(layout, *args))
+    for name in ("targets", "sources", "lengths"):
+        want = np.concatenate([getattr(r, name) for r in per_plane])
+        assert getattr(stacked, name).tolist() == want.tolist(), name
+    assert stacked.pages == sum(r.pages for r in per_plane)
+    assert stacked.page_bytes == sum(r.pages * r.page_bytes for r in per_plane)
+    assert stacked.lengths.size < stacked.pages  # the run of group 0 merged
+
+
 def test_page_runs_merge_pages_adjacent_on_both_sides() -> None:
     cache = np.array([100, 110, 120, 200, 210, 300], dtype=np.int64)
     pool = np.array([0, 10, 20, 30, 45, 55], dtype=np.int64)
@@ -35,12 +59,19 @@ def storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage()).clone()
 
 
-@pytest.mark.parametrize("threads", [1, 3], ids=["one-thread", "three-threads"])
+@pytest.mark.parametrize(
+    ("threads", "small_pages"),
+    [(1, 0), (3, 0), (1, cpu_copy.SMALL_JOB_PAGES)],
+    ids=["one-thread", "three-threads", "small-job"],
+)
 @pytest.mark.parametrize("direction", [cpu_copy.TO_POOL, cpu_copy.FROM_POOL])
 def test_copy_pages_matches_reference(
-    direction: int, threads: int, monkeypatch: pytest.MonkeyPatch
+    direction: int, threads: int, small_pages: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # With thresholds at zero every job takes the threaded path when threads > 1.
+    # The three ways through copy_pages: merged runs on one thread, the threaded path
+    # (thresholds at zero: every job takes it when threads > 1), and the per-page path
+    # of small jobs (the job below has 15 pages).
+    monkeypatch.setattr(cpu_copy, "SMALL_JOB_PAGES", small_pages)
     monkeypatch.setattr(cpu_copy, "PARALLEL_MIN_JOB_BYTES", 0)
     monkeypatch.setattr(cpu_copy, "PARALLEL_MIN_RUN_BYTES", 0)
     monkeypatch.setattr(cpu_copy, "copy_threads", lambda: threads)
@@ -82,9 +113,9 @@ def test_copy_pages_matches_reference(
                 layout, pool.data_ptr(), layout.row_bytes, pairs, offsets, direction
             )
             assert moved == 4 * (42 + 37) + 3 * 5
-            # The threaded path hands one interleaved share of the runs to each thread;
-            # the one-thread path copies plane by plane without it.
-            assert len(shares) == (threads if threads > 1 else 0)
+            # The threaded path hands one interleaved share of the runs to each thread,
+            # the one-thread path all runs at once, the small-job path copies page by page.
+            assert len(shares) == (0 if small_pages else threads)
         else:
             reference_copy(
                 [plane.view for plane in layout.planes],

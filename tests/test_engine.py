@@ -497,6 +497,14 @@ def test_cuda_job_flow_with_stand_in_streams(monkeypatch: pytest.MonkeyPatch) ->
     engine._streams = {0: _FakeStream("store", log), 1: _FakeStream("load", log)}
     engine.copiers = {"triton": triton}
     engine.policy = FixedPath("triton")
+    prepare = triton.prepare
+
+    def logged_prepare(*args: Any, **kwargs: Any) -> Any:
+        run = prepare(*args, **kwargs)  # staging fill and table upload happen here
+        log.append(("prepared", "store"))
+        return run
+
+    monkeypatch.setattr(triton, "prepare", logged_prepare)
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
@@ -505,10 +513,12 @@ def test_cuda_job_flow_with_stand_in_streams(monkeypatch: pytest.MonkeyPatch) ->
     gpu, host, first = store_job(1)
     assert engine.submit_store("a", gpu_blocks=gpu, host_blocks=host, first_block_index=first)
     # compute-stream event, store stream waits on it, then start, launch, end.
+    # The start event follows the host preparation: transfer_time is the copy alone.
     kinds = [entry[0] if entry[0] == "launch" else (entry[0], entry[1]) for entry in log]
     assert kinds == [
         ("record", "compute"),
         ("wait", "store"),
+        ("prepared", "store"),
         ("record", "store"),
         "launch",
         ("record", "store"),
@@ -607,6 +617,38 @@ def test_random_jobs_match_the_reference(data: st.DataObject, blocks_per_chunk: 
         for group in range(engine.num_groups):  # poison before the load
             for index in engine.layout.group_planes[group]:
                 engine.layout.planes[index].view[gpu[group]] = 0x5A
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), blocks_per_chunk=st.integers(1, 3))
+def test_small_and_large_job_paths_build_and_reject_alike(
+    data: st.DataObject, blocks_per_chunk: int
+) -> None:
+    """Small jobs are built with Python ints, large ones with numpy: same tables, same
+    verdicts (ids drawn with repeats so that clashes and range errors occur)."""
+    from triton_offload import jobs
+
+    caches, _ = hybrid_caches()
+    engine = make_engine(caches, blocks_per_chunk, "torch")
+    ids = st.lists(st.integers(0, NUM_BLOCKS), max_size=5)
+    rows = st.lists(st.integers(0, NUM_HOST_BLOCKS), max_size=3)
+    spec = jobs.JobSpec(
+        [data.draw(ids) for _ in range(3)],
+        [data.draw(rows) for _ in range(3)],
+        [data.draw(st.integers(0, 5)) for _ in range(3)],
+    )
+    direction = data.draw(st.sampled_from([jobs.TO_POOL, jobs.FROM_POOL]))
+    outcomes = []
+    for limit in (jobs.SMALL_JOB_PAIRS, 0):
+        original, jobs.SMALL_JOB_PAIRS = jobs.SMALL_JOB_PAIRS, limit
+        try:
+            table = jobs.pair_table(engine.layout, NUM_HOST_BLOCKS, spec, direction)
+            outcomes.append(("ok", table.pairs.tolist(), table.offsets.tolist()))
+        except ValueError as error:
+            outcomes.append(("error", str(error).split(" ")[:2], None))
+        finally:
+            jobs.SMALL_JOB_PAIRS = original
+    assert outcomes[0] == outcomes[1]
 
 
 class _TimedEvent(_FakeEvent):

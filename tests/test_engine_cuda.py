@@ -270,3 +270,92 @@ def test_calibrated_crossover_and_configured_threshold() -> None:
     never.submit_load(1, gpu_blocks=[[2], [], []], host_blocks=[[0], [], []])
     assert never.last_job_backend == "dma"
     assert all(r.success for r in drain(always_dma, 1) + drain(never, 2))
+
+
+def _compiled_variants() -> int:
+    """Compiled variants of the copy kernel on the current device (Triton's JIT cache)."""
+    from triton_offload.kernels import copy_blocks
+
+    caches = copy_blocks._copy_blocks_kernel.device_caches
+    return sum(len(entry[0]) for entry in caches.values())
+
+
+def test_dma_backend_makes_one_batched_call_per_job() -> None:
+    caches, storages = hybrid_caches(seed=7)
+    engine = TransferEngine(plan(1), caches, HOST_BLOCKS, backend="dma")
+    copier = engine.copiers["dma"]
+    if copier.batch is None:
+        pytest.skip(f"this driver has no cuMemcpyBatchAsync: {copier.mode}")
+    assert copier.mode.startswith("batched (cuMemcpyBatchAsync")
+    before = host_bytes(storages)
+    gpu, host = [[3, 9, 4], [0, 15], [7]], [[2, 5, 6], [11, 10], [8]]
+    assert engine.submit_store("s", gpu_blocks=gpu, host_blocks=host)
+    engine.wait(["s"])
+    assert copier.batch.calls == 1 and copier.last_call_count == 1
+    assert copier.last_copy_count > 1  # many descriptors, one call
+    for group, blocks in enumerate(gpu):  # poison, then load back
+        for index in engine.layout.group_planes[group]:
+            engine.layout.planes[index].view[blocks] = 0xCD
+    assert engine.submit_load("l", gpu_blocks=gpu, host_blocks=host)
+    engine.wait(["l"])
+    assert copier.batch.calls == 2
+    assert all(r.success and r.transfer_time > 0 for r in drain(engine, 2))
+    assert all(torch.equal(a, b) for a, b in zip(host_bytes(storages), before, strict=True))
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("threshold", [1024, 16 << 10])
+def test_mixed_job_kernel_and_dma_on_one_stream(threshold: int) -> None:
+    """DMA for pages >= threshold, the kernel for the rest, in one job with one event
+    pair; the pool and the loaded caches equal a kernel-only engine's bytes."""
+    results = []
+    for backend, kwargs in (("triton", {}), ("auto", {"crossover": threshold})):
+        caches, storages = hybrid_caches(seed=9)
+        engine = TransferEngine(plan(2), caches, HOST_BLOCKS, backend=backend, **kwargs)
+        engine.pool.fill_(0xA5)
+        gpu, host, first = STORE
+        assert engine.submit_store("s", gpu_blocks=gpu, host_blocks=host, first_block_index=first)
+        if backend == "auto":
+            assert engine.last_job_backend == "dma+triton"
+            names = [name for name, _ in engine.last_job_assignment]
+            assert names == ["dma", "triton"]
+        for group, blocks in enumerate(gpu):
+            for index in engine.layout.group_planes[group]:
+                engine.layout.planes[index].view[blocks] = 0xCD
+        assert engine.submit_load("l", gpu_blocks=gpu, host_blocks=host, first_block_index=first)
+        engine.wait(["s", "l"])
+        done = drain(engine, 2)
+        assert all(r.success and r.transfer_time > 0 for r in done)
+        results.append([engine.pool.clone(), *host_bytes(storages)])
+        engine.shutdown()
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
+def test_calibration_runs_through_the_engine_and_leaves_the_caches() -> None:
+    caches, storages = hybrid_caches(seed=11)
+    before = host_bytes(storages)
+    engine = TransferEngine(plan(1), caches, HOST_BLOCKS, backend="auto")
+    assert all(torch.equal(a, b) for a, b in zip(host_bytes(storages), before, strict=True))
+    crossover = engine.crossover
+    assert crossover is not None and set(crossover.grid) == {0, 1}
+    for direction, points in crossover.timings.items():
+        assert points and all(set(t) == {"dma", "triton"} for t in points.values())
+        assert all(v > 0 for t in points.values() for v in t.values()), direction
+    assert len(crossover.describe()) == sum(len(p) for p in crossover.grid.values())
+    assert engine.get_finished() == []  # calibration jobs are not reported
+    engine.shutdown()
+
+
+def test_engine_warms_the_kernel_and_odd_jobs_do_not_recompile() -> None:
+    caches, _ = hybrid_caches()
+    engine = TransferEngine(plan(1), caches, HOST_BLOCKS, backend="triton")
+    compiled = _compiled_variants()
+    assert compiled >= 1  # compiled at construction
+    for job, count in enumerate((1, 2, 3, 5, 8)):
+        engine.submit_store(
+            job, gpu_blocks=[list(range(count)), [], []], host_blocks=[list(range(count)), [], []]
+        )
+    engine.wait(range(5))
+    assert all(r.success for r in drain(engine, 5))
+    assert _compiled_variants() == compiled  # odd and even pair counts: one variant
+    engine.shutdown()

@@ -29,8 +29,13 @@ def make_caches() -> list:
     return [[(kv[0], kv[1])], [(conv, ssm)]]
 
 
-@pytest.fixture
-def engine() -> TransferEngine:
+@pytest.fixture(params=["python", "numpy"])
+def engine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> TransferEngine:
+    """An engine; jobs built and checked by the small-job (Python) or the numpy path."""
+    if request.param == "numpy":
+        from triton_offload import jobs
+
+        monkeypatch.setattr(jobs, "SMALL_JOB_PAIRS", 0)
     return TransferEngine(two_group_plan(), make_caches(), HOST_BLOCKS, backend="torch")
 
 
@@ -209,6 +214,10 @@ def test_job_spec_is_immutable_and_checks_its_values() -> None:
         spec.gpu_blocks[0][0] = 5
     with pytest.raises(TypeError, match=r"host_blocks\[1\] must hold integer ids, got float64"):
         JobSpec([[0], []], [[0], [1.5]])
+    by_group = JobSpec.from_groups([([3, 4], [1], 2), ([], [], 0)])
+    assert [b.tolist() for b in by_group.gpu_blocks] == [[3, 4], []]
+    assert [h.tolist() for h in by_group.host_blocks] == [[1], []]
+    assert by_group.first_block_index == (2, 0)
     with pytest.raises(TypeError, match="gpu_blocks must be a sequence with one entry per group"):
         JobSpec("01", [[0], []])  # type: ignore[arg-type]
 

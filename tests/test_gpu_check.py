@@ -68,8 +68,11 @@ def test_dry_run_runs_every_step_through_the_shim(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     assert "using the shim" in summary
     assert f"kernels {tmp_path}" in summary  # the kernels came from the shim's tree
-    for name in ("gpu-tests", "presets", "sweep"):
+    for name in ("gpu-tests", "presets", "grid-sweep", "sweep"):
         assert f"\n{name:<16} rc=0 " in summary, summary
+    # The launch-grid sweep ran (interpreted) and the summary states what it would pick.
+    assert "grid sweep picks num_programs=" in summary
+    assert "choice per-plane vs per-job: not run (needs CUDA copy engines)" in summary
     files = {p.name for p in out.iterdir()}
     assert files == OUTPUTS and len(files) <= 8
     suite = ET.parse(out / "gpu-tests.xml").getroot().find("testsuite")
@@ -80,6 +83,7 @@ def test_dry_run_runs_every_step_through_the_shim(tmp_path: Path) -> None:
     with tarfile.open(out / "details.tar.gz") as archive:
         names = set(archive.getnames())
         assert {"./versions.txt", "./install.log", "./nvidia-smi.txt"} <= names
+        assert {"./grid-sweep/grid-sweep.json", "./grid-sweep/grid-sweep.txt"} <= names
         assert not any(name.startswith("./shim") for name in names)
         for bench in ("presets", "sweep"):
             results = json.load(archive.extractfile(f"./{bench}/results.json"))
@@ -95,7 +99,7 @@ def test_spent_budget_skips_steps_and_still_reports(tmp_path: Path, budget: int)
     done = _run(tmp_path, str(out), "--dry-run", budget=budget)
     assert done.returncode == 1
     summary = (out / "summary.txt").read_text()
-    for name in ("gpu-tests", "presets", "sweep"):
+    for name in ("gpu-tests", "presets", "grid-sweep", "sweep"):
         assert f"\n{name:<16} skipped " in summary, summary
     assert "budget spent" in summary
     assert (out / "details.tar.gz").stat().st_size > 0

@@ -49,6 +49,20 @@ def test_info_reports_vllm_without_importing_it() -> None:
     assert re.search(rf"^vllm +{re.escape(expected)}$", result.stdout, re.MULTILINE)
 
 
+def test_info_names_the_calibration_it_can_run() -> None:
+    """`info --calibrate` runs the engine's calibration on CUDA; without it, it says why."""
+    code = (
+        "import sys; from triton_offload.cli import main; sys.exit(main(['info', '--calibrate']))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    if "cuda available  False" in result.stdout:
+        assert "calibration     not run: needs CUDA" in result.stdout
+    else:
+        assert "dma path        " in result.stdout
+        assert re.search(r"^calibration     (store|load) page \d+ B x \d+: ", result.stdout, re.M)
+
+
 LIBRARY = Path(triton_offload.__file__).parent
 KERNELS = Path(triton_offload.kernels.__file__).parent
 

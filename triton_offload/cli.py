@@ -25,7 +25,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def _run_info(_: argparse.Namespace) -> int:
+def _run_info(args: argparse.Namespace) -> int:
     import torch
     import triton
 
@@ -36,8 +36,16 @@ def _run_info(_: argparse.Namespace) -> int:
     cuda = torch.cuda.is_available()
     print(f"cuda available  {cuda}")
     if cuda:
+        from triton_offload.batch_copy import find_batch_copy
+
         print(f"gpu             {torch.cuda.get_device_name()}")
         print(f"cuda runtime    {torch.version.cuda}")
+        print(f"dma path        {find_batch_copy()[1]}")
+    if getattr(args, "calibrate", False):
+        from triton_offload.selection import calibration_report
+
+        for line in calibration_report():
+            print(f"calibration     {line}")
     # The version from the distribution's metadata: importing vllm takes seconds and
     # only triton_offload.vllm may import it.
     try:
@@ -79,6 +87,11 @@ def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentPars
             module.configure_parser(sub)
             sub.set_defaults(handler=module.run)
     info = subparsers.add_parser("info", help="versions and devices seen by this install")
+    info.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="also run the engine's start-up calibration on a hybrid layout (CUDA) and print it",
+    )
     info.set_defaults(handler=_run_info)
     return parser
 

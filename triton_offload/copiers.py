@@ -8,7 +8,8 @@ can record a job's start event after it: the timed span is the copy itself.
 
 - :class:`HostCopier` (``"torch"``): the CPU memmove path of ``cpu_copy`` (no CUDA,
   no Triton).
-- :class:`DmaCopier` (``"dma"``): the copy engines, one async copy per merged run.
+- :class:`DmaCopier` (``"dma"``): the copy engines, one ``cuMemcpyBatchAsync`` per
+  job (a per-run ``cudaMemcpyAsync`` loop on drivers before 12.8).
 - :class:`TritonCopier` (``"triton"``): one launch of the copy kernel covering every
   group, plane and block it is given (CUDA, or CPU tensors under the interpreter).
 
@@ -30,6 +31,7 @@ import numpy as np
 import torch
 
 from triton_offload import cpu_copy
+from triton_offload.batch_copy import BatchCopy
 from triton_offload.jobs import PairTable, validate_pairs
 from triton_offload.layout import CacheLayout, check_int
 
@@ -89,6 +91,7 @@ class HostCopier(Copier):
         self.layout = layout
         self.pool_address = pool_address
         self.row_stride = row_stride
+        self._runs = cpu_copy.RunBuilder(layout)
 
     def prepare(
         self, table: PairTable, direction: int, planes: PlaneSubset, holds: JobHolds, stream: Any
@@ -98,67 +101,102 @@ class HostCopier(Copier):
 
         def run() -> None:
             cpu_copy.copy_pages(
-                layout, address, stride, table.pairs, table.offsets, direction, planes=subset
+                layout,
+                address,
+                stride,
+                table.pairs,
+                table.offsets,
+                direction,
+                planes=subset,
+                runs=self._runs,
             )
 
         return run
 
 
 class DmaCopier(Copier):
-    """The copy-engine path: one async copy per merged contiguous run of each plane.
+    """The copy-engine path: the job's merged runs, one batched driver call per job.
 
     Runs are pages adjacent on both sides (consecutive GPU blocks of a plane whose
     block stride equals its page size, consecutive slots of one pool row); a padded
-    or K/V-interleaved plane is copied page by page. ``api`` is the ``CudaApi`` (or a
-    stand-in with the same ``memcpy_async``).
+    or K/V-interleaved plane is copied page by page. With ``batch`` (a
+    :class:`~triton_offload.batch_copy.BatchCopy`) every run of the job goes into one
+    ``cuMemcpyBatchAsync``, descriptors built with numpy; without it (a driver before
+    12.8) the fallback is one ``api.memcpy_async`` per run. ``mode`` names the path.
     """
 
     name = "dma"
 
-    def __init__(self, layout: CacheLayout, pool_address: int, row_stride: int, api: Any) -> None:
+    def __init__(
+        self,
+        layout: CacheLayout,
+        pool_address: int,
+        row_stride: int,
+        api: Any,
+        batch: BatchCopy | None = None,
+        *,
+        fallback_reason: str = "",
+    ) -> None:
         self.layout = layout
         self.pool_address = pool_address
         self.row_stride = row_stride
         self.api = api
-        self.last_copy_count = 0
-
-    def runs(
-        self, table: PairTable, direction: int, planes: PlaneSubset
-    ) -> tuple[list[int], list[int], list[int]]:
-        """(targets, sources, lengths) of every merged run of the job, as Python ints."""
-        # Same runs, same addresses as the CPU path: only the copy call differs.
-        parts = list(
-            cpu_copy.plane_runs(
-                self.layout,
-                self.pool_address,
-                self.row_stride,
-                table.pairs,
-                table.offsets,
-                direction,
-                planes=_planes_of(self.layout, planes),
-            )
+        self.batch = batch
+        self.mode = (
+            f"batched ({batch.source})"
+            if batch is not None
+            else (fallback_reason or "per-run cudaMemcpyAsync loop")
         )
-        if not parts:
-            return [], [], []
+        self._runs = cpu_copy.RunBuilder(layout)
+        self.last_copy_count = 0
+        self.last_call_count = 0
+
+    def descriptors(
+        self, table: PairTable, direction: int, planes: PlaneSubset
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(targets, sources, lengths) of every merged run of the job: uint64 arrays.
+
+        The CPU path's runs (same addresses, same merging), built with a fixed number
+        of numpy calls per group whatever the number of planes.
+        """
+        runs = self._runs.runs(
+            self.pool_address,
+            self.row_stride,
+            table.pairs,
+            table.offsets,
+            direction,
+            _planes_of(self.layout, planes),
+        )
         return (
-            np.concatenate([p.targets for p in parts]).tolist(),
-            np.concatenate([p.sources for p in parts]).tolist(),
-            np.concatenate([p.lengths for p in parts]).tolist(),
+            runs.targets.view(np.uint64),
+            runs.sources.view(np.uint64),
+            runs.lengths.view(np.uint64),
         )
 
     def prepare(
         self, table: PairTable, direction: int, planes: PlaneSubset, holds: JobHolds, stream: Any
     ) -> Callable[[], None]:
-        targets, sources, lengths = self.runs(table, direction, planes)
+        targets, sources, lengths = self.descriptors(table, direction, planes)
         handle = 0 if stream is None else int(stream.cuda_stream)
+        count = int(lengths.size)
+        batch = self.batch
+        if batch is not None:
+            holds.keep_alive.append((targets, sources, lengths))
+
+            def run_batch() -> None:
+                batch(targets, sources, lengths, handle)
+                self.last_copy_count, self.last_call_count = count, int(count > 0)
+
+            return run_batch
         copy = self.api.memcpy_async
+        runs = (targets.tolist(), sources.tolist(), lengths.tolist())
 
-        def run() -> None:
-            for target, source, length in zip(targets, sources, lengths, strict=True):
+        def run_loop() -> None:
+            for target, source, length in zip(*runs, strict=True):
                 copy(target, source, length, handle)
-            self.last_copy_count = len(lengths)
+            self.last_copy_count = self.last_call_count = count
 
-        return run
+        return run_loop
 
 
 # ---------------------------------------------------------------------- the kernel
@@ -344,7 +382,19 @@ class TritonCopier(Copier):
         tables = self._subsets.get(planes)
         if tables is None:
             tables = self._subsets[planes] = self._tables(planes)
+            if self.cuda:
+                # Uploaded on this job's stream; the other direction's stream may use
+                # them next, so the upload must be complete (once per subset).
+                torch.cuda.current_stream(self.device).synchronize()
         return tables
+
+    def warm_up(self) -> None:
+        """Compile the kernel before the first job (a launch that moves no byte).
+
+        No kernel argument is specialized, so the one kernel compiled for this device
+        serves every later job, whatever its tables, pair count or pool address.
+        """
+        self.kernels.warm_up(self.device)
 
     def grid(self, tables: KernelTables) -> int:
         if self.num_programs is not None:

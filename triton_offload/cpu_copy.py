@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import collections
 import ctypes
-import itertools
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -60,6 +59,10 @@ PARALLEL_MIN_RUN_BYTES = 32 << 10
 PARALLEL_MIN_JOB_BYTES = 4 << 20
 #: Copy threads at most (memory bandwidth, not cores, is the limit beyond a few).
 MAX_COPY_THREADS = 4
+#: Jobs of at most this many pages are copied page by page with Python ints, without
+#: numpy: merging runs saves little on so few pages, and numpy's per-call cost (some 15
+#: calls per plane) was most of a 16-page job's time (``bench/bench_small_jobs.py``).
+SMALL_JOB_PAGES = 256
 
 _pool_lock = threading.Lock()
 _thread_pool: ThreadPoolExecutor | None = None
@@ -156,6 +159,96 @@ def plane_runs(
                 yield PlaneRuns(page, hi - lo, cache_starts, pool_starts, lengths)
 
 
+class JobRuns(NamedTuple):
+    """Every merged run of a job, all planes together (byte addresses and lengths, int64),
+    ordered by group, then plane, then pair."""
+
+    targets: np.ndarray
+    sources: np.ndarray
+    lengths: np.ndarray
+    pages: int  # pages the job addresses
+    page_bytes: int  # bytes the job moves
+
+
+class RunBuilder:
+    """Merged runs of a job with a fixed number of numpy calls per *group*, not per plane.
+
+    The planes of a group are stacked: with ``P`` planes and ``n`` pairs, addresses are
+    one ``[P, n]`` array per side, breaks between runs one comparison of neighbours
+    along the pairs (every plane row starts a run, so no run crosses planes). The DMA
+    path hands the result to one batched driver call; per-plane numpy (``plane_runs``)
+    cost ~10 calls per plane, hundreds per job at 64 planes.
+    """
+
+    def __init__(self, layout: CacheLayout) -> None:
+        self.layout = layout
+        self._stacks: dict[tuple[int, ...] | None, list[tuple[np.ndarray, ...] | None]] = {}
+
+    def _stack(self, planes: Sequence[int] | None) -> list[tuple[np.ndarray, ...] | None]:
+        key = None if planes is None else tuple(sorted(planes))
+        stack = self._stacks.get(key)
+        if stack is None:
+            wanted = None if key is None else frozenset(key)
+            stack = []
+            for members in self.layout.group_planes:
+                chosen = [self.layout.planes[i] for i in members if wanted is None or i in wanted]
+                if not chosen:
+                    stack.append(None)
+                    continue
+                stack.append(
+                    tuple(
+                        np.array([getattr(p, name) for p in chosen], dtype=np.int64)[:, None]
+                        for name in ("base_address", "block_stride", "pool_offset", "page_bytes")
+                    )
+                )
+            self._stacks[key] = stack
+        return stack
+
+    def runs(
+        self,
+        pool_address: int,
+        pool_row_bytes: int,
+        pairs: np.ndarray,
+        group_offsets: np.ndarray,
+        direction: int,
+        planes: Sequence[int] | None = None,
+    ) -> JobRuns:
+        """The job's runs; arguments as for :func:`copy_pages`."""
+        assert direction in (TO_POOL, FROM_POOL)
+        parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        pages = moved = 0
+        bounds = group_offsets.tolist()
+        for group, stack in enumerate(self._stack(planes)):
+            lo, hi = bounds[group], bounds[group + 1]
+            if stack is None or lo == hi:
+                continue
+            base, stride, offset, page = stack
+            block = pairs[lo:hi, 0][None, :]
+            cache = base + block * stride
+            pool = (pool_address + pairs[lo:hi, 1] * pool_row_bytes)[None, :] + (
+                offset + pairs[lo:hi, 2][None, :] * page
+            )
+            breaks = np.ones(cache.shape, dtype=bool)
+            breaks[:, 1:] = (np.diff(cache, axis=1) != page) | (np.diff(pool, axis=1) != page)
+            starts = np.flatnonzero(breaks)
+            counts = np.diff(np.append(starts, cache.size))
+            lengths = counts * np.broadcast_to(page, cache.shape).ravel()[starts]
+            cache_starts, pool_starts = cache.ravel()[starts], pool.ravel()[starts]
+            if direction == TO_POOL:
+                parts.append((pool_starts, cache_starts, lengths))
+            else:
+                parts.append((cache_starts, pool_starts, lengths))
+            pages += cache.size
+            moved += int(page.sum()) * (hi - lo)
+        if not parts:
+            empty = np.zeros(0, dtype=np.int64)
+            return JobRuns(empty, empty, empty, 0, 0)
+        if len(parts) == 1:
+            return JobRuns(*parts[0], pages, moved)
+        targets, sources, lengths = (np.concatenate(column) for column in zip(*parts, strict=True))
+        return JobRuns(targets, sources, lengths, pages, moved)
+
+
 def copy_pages(
     layout: CacheLayout,
     pool_address: int,
@@ -164,6 +257,7 @@ def copy_pages(
     group_offsets: np.ndarray,
     direction: int,
     planes: Sequence[int] | None = None,
+    runs: RunBuilder | None = None,
 ) -> int:
     """Copy every plane page named by ``pairs``; returns the bytes moved.
 
@@ -171,30 +265,36 @@ def copy_pages(
     ``group_offsets`` int64 ``[num_groups + 1]``. ``direction`` is ``TO_POOL`` (store)
     or ``FROM_POOL`` (load). ``planes`` limits the copy to those plane indices (all
     when None). Pool row ``r`` starts at ``pool_address + r * pool_row_bytes`` (the row
-    stride). Addresses are host addresses (CPU tensors only).
+    stride). ``runs`` is the caller's :class:`RunBuilder` for ``layout`` (it keeps the
+    stacked plane geometry between jobs). Addresses are host addresses (CPU tensors only).
     """
-    moved = 0
-    all_runs = list(
-        plane_runs(layout, pool_address, pool_row_bytes, pairs, group_offsets, direction, planes)
+    bounds = group_offsets.tolist()
+    group_planes = layout.group_planes
+    if planes is not None:
+        wanted = frozenset(planes)
+        group_planes = tuple(tuple(i for i in m if i in wanted) for m in group_planes)
+    pages = sum(
+        (bounds[g + 1] - bounds[g]) * len(members) for g, members in enumerate(group_planes)
     )
-    run_count = sum(runs.lengths.size for runs in all_runs)
-    job_bytes = sum(runs.page_bytes * runs.pages for runs in all_runs)
+    if pages <= SMALL_JOB_PAGES:
+        return _copy_small(
+            layout, pool_address, pool_row_bytes, pairs.tolist(), bounds, direction, group_planes
+        )
+    builder = RunBuilder(layout) if runs is None else runs
+    job = builder.runs(pool_address, pool_row_bytes, pairs, group_offsets, direction, planes)
     threads = copy_threads()
     if (
         threads > 1
-        and job_bytes >= PARALLEL_MIN_JOB_BYTES
-        and job_bytes >= PARALLEL_MIN_RUN_BYTES * run_count
+        and job.page_bytes >= PARALLEL_MIN_JOB_BYTES
+        and job.page_bytes >= PARALLEL_MIN_RUN_BYTES * job.lengths.size
     ):
-        targets = np.concatenate([runs.targets for runs in all_runs])
-        sources = np.concatenate([runs.sources for runs in all_runs])
-        lengths = np.concatenate([runs.lengths for runs in all_runs])
         # Interleaved shares: every thread gets runs of every plane, so the work is
         # balanced when page sizes differ between planes.
         shares = [
             (
-                targets[i::threads].tolist(),
-                sources[i::threads].tolist(),
-                lengths[i::threads].tolist(),
+                job.targets[i::threads].tolist(),
+                job.sources[i::threads].tolist(),
+                job.lengths[i::threads].tolist(),
             )
             for i in range(threads)
         ]
@@ -203,25 +303,48 @@ def copy_pages(
         _memmove_all(*shares[0])
         for future in futures:
             future.result()
-        return job_bytes
-    for runs in all_runs:
-        page, pages, lengths = runs.page_bytes, runs.pages, runs.lengths
-        sizes = (
-            itertools.repeat(page, lengths.size)
-            if lengths.size == pages  # no merged runs: every copy is one page
-            else lengths.tolist()
-        )
-        collections.deque(
-            map(_memmove, runs.targets.tolist(), runs.sources.tolist(), sizes), maxlen=0
-        )
-        moved += page * pages
+    else:
+        _memmove_all(job.targets.tolist(), job.sources.tolist(), job.lengths.tolist())
+    return job.page_bytes
+
+
+def _copy_small(
+    layout: CacheLayout,
+    pool_address: int,
+    pool_row_bytes: int,
+    rows: list[list[int]],
+    bounds: list[int],
+    direction: int,
+    group_planes: tuple[tuple[int, ...], ...],
+) -> int:
+    """:func:`copy_pages` for a few pages: one memmove per page, addresses as Python ints."""
+    memmove, store, moved = _memmove, direction == TO_POOL, 0
+    for group, members in enumerate(group_planes):
+        part = rows[bounds[group] : bounds[group + 1]]
+        if not part:
+            continue
+        for index in members:
+            plane = layout.planes[index]
+            base, stride, page = plane.base_address, plane.block_stride, plane.page_bytes
+            pool_base = pool_address + plane.pool_offset
+            for block, row, slot in part:
+                cache = base + block * stride
+                pool = pool_base + row * pool_row_bytes + slot * page
+                if store:
+                    memmove(pool, cache, page)
+                else:
+                    memmove(cache, pool, page)
+            moved += page * len(part)
     return moved
 
 
 __all__ = [
     "FROM_POOL",
+    "SMALL_JOB_PAGES",
     "TO_POOL",
+    "JobRuns",
     "PlaneRuns",
+    "RunBuilder",
     "copy_pages",
     "copy_threads",
     "page_runs",

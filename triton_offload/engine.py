@@ -43,9 +43,9 @@ from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import numpy as np
 import torch
 
+from triton_offload.batch_copy import find_batch_copy
 from triton_offload.copiers import (
     Copier,
     DmaCopier,
@@ -251,12 +251,9 @@ class TransferEngine:
         #: Bytes between pool rows: the pool tensor's stride(0), >= row_bytes.
         self.row_stride: int = self._pool.row_stride
 
-        # Pages per block pair and bytes per block pair, per group: the job size is
-        # O(pairs) to compute whatever the number of layers.
-        self._planes_per_group = np.array(
-            [len(p) for p in self.layout.group_planes], dtype=np.int64
-        )
-        self._bytes_per_block = np.array(self.layout.bytes_per_block, dtype=np.int64)
+        # Bytes per block pair, per group: the job size is O(groups) to compute
+        # whatever the number of layers.
+        self._bytes_per_block = self.layout.bytes_per_block
 
         self._active: dict[Hashable, _Job] = {}
         self._queues: dict[int, deque[_Job]] = {TO_POOL: deque(), FROM_POOL: deque()}
@@ -275,6 +272,12 @@ class TransferEngine:
         self.copiers: dict[str, Copier] = {
             name: self._make_copier(name) for name in _BACKEND_COPIERS[backend]
         }
+        triton = self.copiers.get("triton")
+        if self.cuda and isinstance(triton, TritonCopier):
+            # Compile now: the first job would otherwise wait ~1 s for it mid-serving.
+            # On the current stream, after the table uploads it reads.
+            with torch.cuda.device(self.device):
+                triton.warm_up()
         self.crossover: Crossover | None = None
         self.policy: PathPolicy
         if backend == "auto":
@@ -303,7 +306,8 @@ class TransferEngine:
         if name == "torch":
             return HostCopier(layout, address, stride)
         if name == "dma":
-            return DmaCopier(layout, address, stride, cuda_api())
+            batch, why = find_batch_copy()
+            return DmaCopier(layout, address, stride, cuda_api(), batch, fallback_reason=why)
         with torch.cuda.device(self.device) if self.cuda else contextlib.nullcontext():
             return TritonCopier(
                 layout,
@@ -322,14 +326,6 @@ class TransferEngine:
         Raises ValueError/TypeError naming the bad value; nothing is copied.
         """
         return pair_table(self.layout, self.num_host_blocks, spec, direction)
-
-    def _job_size(self, offsets: np.ndarray) -> tuple[int, int]:
-        """(bytes moved, pages moved) for a job with these group offsets."""
-        counts = np.diff(offsets)
-        return (
-            int((counts * self._bytes_per_block).sum()),
-            int((counts * self._planes_per_group).sum()),
-        )
 
     # ------------------------------------------------------------------ submit
 
@@ -392,9 +388,10 @@ class TransferEngine:
         if job_id in self._active:
             raise ValueError(f"job id {job_id!r} is already in flight")
         table = self.build_job_table(spec, direction)
-        size, _pages = self._job_size(table.offsets)
+        counts = [blocks.size for blocks in spec.gpu_blocks]
+        size = sum(c * b for c, b in zip(counts, self._bytes_per_block, strict=True))
         if assignment is None:
-            assignment = self.policy.assign(direction, np.diff(table.offsets))
+            assignment = self.policy.assign(direction, counts)
         self.last_job_table = table
         self.last_job_assignment = assignment
         self.last_job_backend = _path_name(assignment)

@@ -16,7 +16,7 @@ that alias cache memory or share pool-row bytes).
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -46,17 +46,21 @@ def _ids(values: Any, what: str, kind: str, group: int) -> np.ndarray:
         raise TypeError(f"{what} must be a sequence of integer ids, got {values!r}")
     if isinstance(values, torch.Tensor):
         values = values.detach().cpu().numpy()
+    fresh = not isinstance(values, np.ndarray)  # a list becomes a new array: no copy needed
     array = np.asarray(values)
     if array.size == 0:
         array = np.zeros(0, dtype=np.int64)
     elif array.ndim != 1:
         raise ValueError(f"{what} must be a 1-d sequence of ids, got shape {array.shape}")
-    elif array.dtype.kind not in "iu" or array.dtype == np.bool_:
-        raise TypeError(f"{what} must hold integer ids, got {array.dtype}: {array[:8]!r}")
-    elif array.dtype.kind == "u" and int(array.max()) > _INT64_MAX:
-        raise ValueError(f"{what}: id {int(array.max())} out of range")
-    array = np.array(array, dtype=np.int64)  # a private copy: the spec is immutable
-    if array.size and int(array.min()) < 0:
+    elif array.dtype != np.int64:
+        if array.dtype.kind not in "iu" or array.dtype == np.bool_:
+            raise TypeError(f"{what} must hold integer ids, got {array.dtype}: {array[:8]!r}")
+        if array.dtype.kind == "u" and int(array.max()) > _INT64_MAX:
+            raise ValueError(f"{what}: id {int(array.max())} out of range")
+        array = array.astype(np.int64)
+    elif not fresh:
+        array = array.copy()  # a private copy: the spec is immutable
+    if array.size and array.min() < 0:
         bad = int(array[np.argmax(array < 0)])
         raise ValueError(f"{kind} id {bad} of group {group} is negative ({what})")
     array.setflags(write=False)
@@ -131,6 +135,14 @@ class JobSpec:
         return sum(blocks.size for blocks in self.gpu_blocks)
 
     @classmethod
+    def from_groups(cls, groups: Iterable[tuple[Any, Any, int]]) -> JobSpec:
+        """A spec from one ``(gpu_blocks, host_blocks, first_block_index)`` per group."""
+        parts = list(groups)
+        return cls(
+            [part[0] for part in parts], [part[1] for part in parts], [part[2] for part in parts]
+        )
+
+    @classmethod
     def of(
         cls,
         spec: JobSpec | None,
@@ -167,16 +179,34 @@ class PairTable(NamedTuple):
     offsets: np.ndarray
 
 
+#: Jobs of at most this many block pairs are built and checked with Python ints: below
+#: it numpy's fixed cost per call (~1 us, some 40 calls per job) outweighs the per-pair
+#: work. ``bench/bench_small_jobs.py`` measures the job path against a per-page loop.
+SMALL_JOB_PAIRS = 64
+
+
 def pair_table(
     layout: CacheLayout, pool_rows: int, spec: JobSpec, direction: Direction | int
 ) -> PairTable:
-    """The job's pair table, fully validated; ValueError naming the bad value, nothing copied."""
+    """The job's pair table, fully validated; ValueError naming the bad value, nothing copied.
+
+    Checks the ids against the layout (GPU blocks per group, ``pool_rows`` host rows),
+    that the host rows cover the blocks, and that no two pairs write the same
+    destination page (also across groups aliasing cache memory or sharing pool-row
+    bytes).
+    """
     if not isinstance(spec, JobSpec):
         raise TypeError(f"spec must be a JobSpec, got {type(spec).__name__}")
     if spec.num_groups != layout.num_groups:
         raise ValueError(
             f"the job has {spec.num_groups} groups but the engine has {layout.num_groups}"
         )
+    try:
+        direction = Direction(direction)
+    except ValueError:
+        raise ValueError(f"direction {direction!r} is not a Direction") from None
+    if spec.num_pairs <= SMALL_JOB_PAIRS:
+        return _small_pair_table(layout, pool_rows, spec, direction)
     bpc = layout.blocks_per_chunk
     assert spec.first_block_index is not None
     counts = np.array([blocks.size for blocks in spec.gpu_blocks], dtype=np.int64)
@@ -189,27 +219,107 @@ def pair_table(
         limit = layout.group_num_blocks[group]
         if blocks.size and int(blocks.max()) >= limit:
             bad = int(blocks[np.argmax(blocks >= limit)])
-            raise ValueError(f"GPU block id {bad} of group {group} out of range [0, {limit})")
+            raise ValueError(_block_out_of_range(bad, group, limit))
         if hosts.size and int(hosts.max()) >= pool_rows:
             bad = int(hosts[np.argmax(hosts >= pool_rows)])
-            raise ValueError(f"host block id {bad} of group {group} out of range [0, {pool_rows})")
+            raise ValueError(_host_out_of_range(bad, group, pool_rows))
         if not blocks.size:
             continue
         positions = (first % bpc) + np.arange(blocks.size, dtype=np.int64)
         if positions[-1] // bpc >= hosts.size:
-            raise ValueError(
-                f"group {group}: {blocks.size} GPU blocks starting at slot {first % bpc} "
-                f"need {int(positions[-1] // bpc) + 1} host chunks of {bpc} blocks, but "
-                f"{hosts.size} host blocks were given"
-            )
+            raise ValueError(_too_few_hosts(group, blocks.size, first % bpc, bpc, hosts.size))
         rows = pairs[offsets[group] : offsets[group + 1]]
         rows[:, 0] = blocks
         rows[:, 1] = hosts[positions // bpc]
         rows[:, 2] = positions % bpc
-    # Two pairs writing one destination page (also across groups sharing a pool row or
-    # aliasing cache memory) are rejected here.
-    validate_pairs(layout, pool_rows, pairs, offsets, direction)
+    # Ranges hold by construction; what is left is two pairs writing one page.
+    if pairs.shape[0]:
+        groups = np.repeat(np.arange(layout.num_groups, dtype=np.int64), counts)
+        _check_destinations(layout, pool_rows, pairs, groups, direction)
     return PairTable(pairs, offsets)
+
+
+def _block_out_of_range(bad: int, group: int, limit: int) -> str:
+    return f"GPU block id {bad} of group {group} out of range [0, {limit})"
+
+
+def _host_out_of_range(bad: int, group: int, limit: int) -> str:
+    return f"host block id {bad} of group {group} out of range [0, {limit})"
+
+
+def _too_few_hosts(group: int, count: int, slot: int, bpc: int, hosts: int) -> str:
+    needed = (slot + count - 1) // bpc + 1
+    return (
+        f"group {group}: {count} GPU blocks starting at slot {slot} need {needed} host "
+        f"chunks of {bpc} blocks, but {hosts} host blocks were given"
+    )
+
+
+def _small_pair_table(
+    layout: CacheLayout, pool_rows: int, spec: JobSpec, direction: Direction
+) -> PairTable:
+    """:func:`pair_table` with Python ints: the same table, checks and messages."""
+    bpc = layout.blocks_per_chunk
+    assert spec.first_block_index is not None
+    rows: list[tuple[int, int, int]] = []
+    offsets = [0]
+    groups: list[int] = []
+    for group, (block_array, host_array, first) in enumerate(
+        zip(spec.gpu_blocks, spec.host_blocks, spec.first_block_index, strict=True)
+    ):
+        blocks, hosts = block_array.tolist(), host_array.tolist()
+        limit = layout.group_num_blocks[group]
+        if blocks and max(blocks) >= limit:
+            raise ValueError(
+                _block_out_of_range(next(b for b in blocks if b >= limit), group, limit)
+            )
+        if hosts and max(hosts) >= pool_rows:
+            bad = next(h for h in hosts if h >= pool_rows)
+            raise ValueError(_host_out_of_range(bad, group, pool_rows))
+        slot = first % bpc
+        if blocks and (slot + len(blocks) - 1) // bpc >= len(hosts):
+            raise ValueError(_too_few_hosts(group, len(blocks), slot, bpc, len(hosts)))
+        for k, block in enumerate(blocks):
+            position = slot + k
+            rows.append((block, hosts[position // bpc], position % bpc))
+        groups += [group] * len(blocks)
+        offsets.append(len(rows))
+    if direction == Direction.TO_POOL:
+        seen: dict[tuple[int, int, int], int] = {}
+        for j, (row, group) in enumerate(zip(rows, groups, strict=True)):
+            i = seen.setdefault((group, row[1], row[2]), j)
+            if i != j:
+                raise ValueError(_pool_clash(i, j, row[1], row[2], group))
+        shared, column, what = layout.pool_shared_groups, 1, "pool row"
+    else:
+        seen_blocks: dict[tuple[int, int], int] = {}
+        for j, (row, group) in enumerate(zip(rows, groups, strict=True)):
+            i = seen_blocks.setdefault((group, row[0]), j)
+            if i != j:
+                raise ValueError(_cache_clash(i, j, row[0], group))
+        shared, column, what = layout.cache_alias_groups, 0, "GPU block id"
+    if shared:
+        writers: dict[int, set[int]] = {}
+        for row, group in zip(rows, groups, strict=True):
+            writers.setdefault(row[column], set()).add(group)
+        for ident in sorted(writers):
+            for g, h in shared:  # sorted pairs: the message names the lowest clash
+                if g in writers[ident] and h in writers[ident]:
+                    raise ValueError(_shared_clash(what, ident, g, h))
+    pairs = np.array(rows, dtype=np.int64).reshape(-1, 3)
+    return PairTable(pairs, np.array(offsets, dtype=np.int64))
+
+
+def _pool_clash(i: int, j: int, row: int, slot: int, group: int) -> str:
+    return f"pairs {i} and {j} both write pool row {row} slot {slot} (group {group})"
+
+
+def _cache_clash(i: int, j: int, block: int, group: int) -> str:
+    return f"pairs {i} and {j} both write GPU block id {block} (group {group})"
+
+
+def _shared_clash(what: str, ident: int, g: int, h: int) -> str:
+    return f"{what} {ident} is written by groups {g} and {h}, whose planes share those bytes"
 
 
 def _host_int64(name: str, table: Any) -> np.ndarray:
@@ -300,6 +410,17 @@ def validate_pairs(
                 f"{name} {values[i]} at pair {i} (group {groups[i]}) out of range [0, {limit[i]})"
             )
 
+    _check_destinations(layout, pool_rows, table, groups, direction)
+
+
+def _check_destinations(
+    layout: CacheLayout,
+    pool_rows: int,
+    table: np.ndarray,
+    groups: np.ndarray,
+    direction: Direction,
+) -> None:
+    """ValueError when two pairs write one destination page (vectorized, O(n log n))."""
     if direction == Direction.TO_POOL:
         # Destination page = (group, row, slot); groups whose planes share row bytes also
         # clash on the same row whatever the slot.
@@ -307,18 +428,13 @@ def validate_pairs(
         clash = _first_duplicate(groups, table[:, 1] * bpc + table[:, 2], pool_rows * bpc)
         if clash is not None:
             i, j = clash
-            raise ValueError(
-                f"pairs {i} and {j} both write pool row {table[j, 1]} slot {table[j, 2]} "
-                f"(group {groups[j]})"
-            )
+            raise ValueError(_pool_clash(i, j, table[j, 1], table[j, 2], groups[j]))
         shared, column, what = layout.pool_shared_groups, 1, "pool row"
     else:
         clash = _first_duplicate(groups, table[:, 0], int(table[:, 0].max()) + 1)
         if clash is not None:
             i, j = clash
-            raise ValueError(
-                f"pairs {i} and {j} both write GPU block id {table[j, 0]} (group {groups[j]})"
-            )
+            raise ValueError(_cache_clash(i, j, table[j, 0], groups[j]))
         shared, column, what = layout.cache_alias_groups, 0, "GPU block id"
     if not shared:
         return
@@ -340,15 +456,13 @@ def validate_pairs(
         if np.any(hit):
             k = int(np.flatnonzero(hit)[0])
             g, h = int(key_groups[k]), int(key_groups[k + distance])
-            raise ValueError(
-                f"{what} {key_ids[k]} is written by groups {g} and {h}, whose planes share "
-                "those bytes"
-            )
+            raise ValueError(_shared_clash(what, key_ids[k], g, h))
 
 
 __all__ = [
     "DIRECTION_NAMES",
     "FROM_POOL",
+    "SMALL_JOB_PAIRS",
     "TO_POOL",
     "Direction",
     "JobSpec",

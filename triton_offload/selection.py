@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -112,7 +112,7 @@ def parse_crossover(configured: int | Mapping[str, int] | None) -> Crossover | N
 class PathPolicy:
     """Decides a job's assignment of planes to copiers."""
 
-    def assign(self, direction: int, counts: np.ndarray) -> Assignment:
+    def assign(self, direction: int, counts: Sequence[int]) -> Assignment:
         """``counts[g]``: GPU blocks of group g in the job."""
         raise NotImplementedError
 
@@ -124,7 +124,7 @@ class FixedPath(PathPolicy):
         self.name = name
         self._all: Assignment = ((name, None),)
 
-    def assign(self, direction: int, counts: np.ndarray) -> Assignment:
+    def assign(self, direction: int, counts: Sequence[int]) -> Assignment:
         return self._all
 
 
@@ -138,15 +138,15 @@ class CrossoverPath(PathPolicy):
         self.crossover = crossover
         self.mode = mode
         self._page_bytes = [p.page_bytes for p in layout.planes]
-        self._bytes_per_block = np.asarray(layout.bytes_per_block, dtype=np.int64)
-        self._planes_per_group = np.asarray([len(p) for p in layout.group_planes])
+        self._bytes_per_block = layout.bytes_per_block
+        self._planes_per_group = [len(p) for p in layout.group_planes]
         self._cache: dict[tuple[int, tuple[str, ...]], Assignment] = {}
 
-    def assign(self, direction: int, counts: np.ndarray) -> Assignment:
+    def assign(self, direction: int, counts: Sequence[int]) -> Assignment:
         choose = self.crossover.choose
         if self.mode == "job":
-            pages = int((counts * self._planes_per_group).sum())
-            size = int((counts * self._bytes_per_block).sum())
+            pages = sum(c * p for c, p in zip(counts, self._planes_per_group, strict=True))
+            size = sum(c * b for c, b in zip(counts, self._bytes_per_block, strict=True))
             return ((choose(direction, size / max(pages, 1), pages), None),)
         winners = []
         for group, members in enumerate(self.layout.group_planes):
@@ -254,6 +254,38 @@ def calibrate(engine: TransferEngine, names: tuple[str, str] = ("triton", "dma")
     return crossover
 
 
+def calibration_report() -> list[str]:
+    """The calibration an ``auto`` engine would run, on a hybrid layout (for ``info``).
+
+    Layout: 8 K/V planes of 4 KiB (attention, 16-token blocks at 8 KV heads x 128
+    x bf16 / TP 4) and a Mamba group with a 1,536-byte conv and a 256 KiB SSM plane;
+    one line per grid point with both copiers' times. Without CUDA there is nothing to
+    measure and the line says so.
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        return ["not run: needs CUDA (without it every job takes the CPU path)"]
+    from triton_offload import GroupSpec, plan_offload
+    from triton_offload.engine import TransferEngine
+
+    blocks = max(CALIBRATION_PAGES) + 8
+    plan = plan_offload(
+        [GroupSpec("full_attention", 16), GroupSpec("mamba", 16, mamba_cache_mode="align")],
+        blocks_per_chunk=1,
+    )
+    kv = [torch.zeros(2, blocks, 4096, dtype=torch.uint8, device="cuda") for _ in range(4)]
+    conv = torch.zeros(blocks, 1536, dtype=torch.uint8, device="cuda")
+    ssm = torch.zeros(blocks, 256 << 10, dtype=torch.uint8, device="cuda")
+    caches = [[(t[0], t[1]) for t in kv], [(conv, ssm)]]
+    engine = TransferEngine(plan, caches, 2 * blocks, backend="auto")
+    try:
+        assert engine.crossover is not None
+        return engine.crossover.describe()
+    finally:
+        engine.shutdown()
+
+
 __all__ = [
     "CALIBRATION_MAX_BYTES",
     "CALIBRATION_PAGES",
@@ -265,5 +297,6 @@ __all__ = [
     "PathChoice",
     "PathPolicy",
     "calibrate",
+    "calibration_report",
     "parse_crossover",
 ]

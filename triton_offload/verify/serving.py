@@ -345,19 +345,14 @@ class OffloadServer:
                 handles.append((g, lo, self.manager.prepare_load(keys, g)))
             total = 0
             for rank, engine in enumerate(self.engines):
-                gpu_blocks: list[list[int]] = []
-                host_blocks: list[list[int]] = []
-                first: list[int] = []
+                groups: list[tuple[list[int], list[int], int]] = []
                 for g, lo, handle in handles:
                     ids = blocks.block_ids[g][rank][lo * bpc : lo * bpc + len(handle.rows) * bpc]
                     if self.inject == "wrong-slot" and len(ids) > 1:
                         ids = ids[1:] + ids[:1]
-                    gpu_blocks.append(ids)
-                    host_blocks.append(list(handle.rows))
-                    first.append(lo * bpc)
+                    groups.append((ids, list(handle.rows), lo * bpc))
                 job = ("load", next(self._jobs))
-                spec = JobSpec(gpu_blocks, host_blocks, first)
-                if not engine.submit_load(job, spec):
+                if not engine.submit_load(job, JobSpec.from_groups(groups)):
                     raise RuntimeError(f"rank {rank} engine refused load job {job}")
                 total += _finish(engine, job)
             return total
@@ -391,23 +386,17 @@ class OffloadServer:
         total = 0
         for k in range(max((len(r) for r in runs.values()), default=0)):
             for rank, engine in enumerate(self.engines):
-                gpu_blocks: list[list[int]] = []
-                host_blocks: list[list[int]] = []
-                first: list[int] = []
+                groups = []
                 for g in range(len(self.plan.groups)):
                     group_runs = runs.get(g, [])
                     if k >= len(group_runs):
-                        gpu_blocks.append([])
-                        host_blocks.append([])
-                        first.append(0)
+                        groups.append(([], [], 0))
                         continue
                     lo, top = group_runs[k]
-                    gpu_blocks.append(blocks.block_ids[g][rank][lo * bpc : top * bpc])
-                    host_blocks.append([rows[g][c] for c in range(lo, top)])
-                    first.append(lo * bpc)
+                    ids = blocks.block_ids[g][rank][lo * bpc : top * bpc]
+                    groups.append((ids, [rows[g][c] for c in range(lo, top)], lo * bpc))
                 job = ("store", next(self._jobs))
-                spec = JobSpec(gpu_blocks, host_blocks, first)
-                if not engine.submit_store(job, spec):
+                if not engine.submit_store(job, JobSpec.from_groups(groups)):
                     success = False
                     continue
                 try:
