@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from triton_offload.engine import TransferEngine
+from triton_offload.jobs import JobSpec
 
 PAGE_SIZES = [4 << 10, 16 << 10, 64 << 10]
 #: Bytes per measured job: larger than the last-level cache of the CI machine, so both
@@ -84,13 +85,14 @@ def test_paged(benchmark: Any, page: int, direction: str) -> None:
     blocks = torch.randperm(2 * pages, generator=generator)[:pages].tolist()
     rows = torch.randperm(pages, generator=generator).tolist()
     state = {"job": 0}
+    spec = JobSpec([blocks], [rows])
 
     def run() -> None:
         state["job"] += 1
         if direction == "store":
-            engine.submit_store(state["job"], [blocks], [rows])
+            engine.submit_store(state["job"], spec)
         else:
-            engine.submit_load(state["job"], [rows], [blocks])
+            engine.submit_load(state["job"], spec)
         (result,) = engine.get_finished()
         assert result.success and result.transfer_size == nbytes
 

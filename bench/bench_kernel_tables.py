@@ -21,13 +21,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from triton_offload.kernels.copy_blocks import (
-    CopyLayout,
-    Direction,
-    PlaneGeometry,
-    launch_copy,
-    validate_pairs,
-)
+from triton_offload.kernels.copy_blocks import TILE_BYTES
+
+from triton_offload.copiers import KernelTables, kernel_tables
+from triton_offload.jobs import Direction, validate_pairs
+from triton_offload.layout import CacheLayout, Plane
 
 NUM_BLOCKS = 8192
 BLOCKS_PER_CHUNK = 1
@@ -36,13 +34,13 @@ PAIRS_PER_GROUP = 2048
 GROUPS = [(0, 64, 8192), (1, 2, 65536), (2, 64, 8192)]
 
 
-def planes(base: int = 1 << 30) -> list[PlaneGeometry]:
+def planes(base: int = 1 << 30) -> list[Plane]:
     result = []
     address = base
     for group, count, page in GROUPS:
         offset = 0
         for _ in range(count):
-            result.append(PlaneGeometry(group, address, page, page, NUM_BLOCKS, offset))
+            result.append(Plane(group, address, page, page, NUM_BLOCKS, offset))
             address += NUM_BLOCKS * page
             offset += BLOCKS_PER_CHUNK * page
     return result
@@ -52,15 +50,22 @@ def row_bytes() -> int:
     return max(count * page * BLOCKS_PER_CHUNK for _, count, page in GROUPS)
 
 
-def build(device: str = "cpu", plane_list: list[PlaneGeometry] | None = None) -> CopyLayout:
-    return CopyLayout.build(
+POOL_ROWS = len(GROUPS) * PAIRS_PER_GROUP
+
+
+def build(device: str = "cpu", plane_list: list[Plane] | None = None) -> CacheLayout:
+    return CacheLayout.from_planes(
         plane_list if plane_list is not None else planes(),
         num_groups=len(GROUPS),
         blocks_per_chunk=BLOCKS_PER_CHUNK,
-        pool_row_bytes=row_bytes(),
-        pool_rows=len(GROUPS) * PAIRS_PER_GROUP,
+        row_bytes=row_bytes(),
         device=device,
     )
+
+
+def build_tables(device: str = "cpu", plane_list: list[Plane] | None = None) -> KernelTables:
+    layout = build(device, plane_list)
+    return kernel_tables(layout, layout.row_bytes, TILE_BYTES, torch.device(device))
 
 
 def job() -> tuple[np.ndarray, np.ndarray]:
@@ -80,7 +85,7 @@ def job() -> tuple[np.ndarray, np.ndarray]:
 def test_validate_pairs(benchmark: Any, direction: Direction) -> None:
     layout = build()
     pairs, offsets = job()
-    benchmark(validate_pairs, layout, pairs, offsets, direction)
+    benchmark(validate_pairs, layout, POOL_ROWS, pairs, offsets, direction)
     if benchmark.stats is not None:
         us = benchmark.stats.stats.median * 1e6 / len(pairs)
         benchmark.extra_info["us_per_pair"] = us
@@ -89,24 +94,24 @@ def test_validate_pairs(benchmark: Any, direction: Direction) -> None:
 
 def test_layout_build(benchmark: Any) -> None:
     plane_list = planes()
-    layout = benchmark(build, "cpu", plane_list)
-    assert layout.tile_table.shape[0] == 64 + 16 + 64
+    tables = benchmark(build_tables, "cpu", plane_list)
+    assert tables.tile_table.shape[0] == 64 + 16 + 64
 
 
 @pytest.mark.cuda
 def test_launch_enqueue(benchmark: Any) -> None:
     # Real memory: one 8 KiB-page group of 64 planes, device-resident pool.
     caches = torch.zeros(64, 256, 8192, dtype=torch.uint8, device="cuda")
-    plane_list = [
-        PlaneGeometry(0, caches[i].data_ptr(), 8192, 8192, 256, i * 8192) for i in range(64)
-    ]
-    layout = CopyLayout.build(
-        plane_list,
-        num_groups=1,
-        blocks_per_chunk=1,
-        pool_row_bytes=64 * 8192,
-        pool_rows=128,
-        device="cuda",
+    from triton_offload.kernels.copy_blocks import launch_copy
+
+    plane_list = [Plane(0, caches[i].data_ptr(), 8192, 8192, 256, i * 8192) for i in range(64)]
+    layout = kernel_tables(
+        CacheLayout.from_planes(
+            plane_list, num_groups=1, blocks_per_chunk=1, row_bytes=64 * 8192, device="cuda"
+        ),
+        64 * 8192,
+        TILE_BYTES,
+        torch.device("cuda"),
     )
     pool = torch.zeros(128, 64 * 8192, dtype=torch.uint8, device="cuda")
     pairs = torch.stack(

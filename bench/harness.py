@@ -39,6 +39,8 @@ from triton_offload.bench.paths import (
 )
 from triton_offload.bench.presets import Case, GroupShape
 
+from triton_offload.jobs import JobSpec
+
 #: Paths that run on a CPU-only machine as timed measurements. "auto" is not among
 #: them: without CUDA it *is* the torch path, and timing one path twice only showed
 #: run-to-run noise as a fake difference between the two (6.8 vs 5.4 GB/s in one run).
@@ -628,7 +630,7 @@ def job_preparation(case: Case) -> JobPreparation:
             op = end
 
     def project() -> object:
-        return engine.build_job_table(ws.gpu_blocks, ws.host_rows, None, 0)
+        return engine.build_job_table(JobSpec(ws.gpu_blocks, ws.host_rows), 0)
 
     return JobPreparation(ws, engine, project, pointers, impl)
 

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from triton_offload.bench.presets import Case
 
+from triton_offload.jobs import JobSpec
 from triton_offload.layout import CacheLayout, Layer, build_layout, pool_plane_view
 from triton_offload.pool import HostPool, allocate_pool
 
@@ -74,6 +75,11 @@ class Workspace:
     @property
     def cuda(self) -> bool:
         return self.device.type == "cuda"
+
+    @property
+    def spec(self) -> JobSpec:
+        """The job as the engine takes it (first block index 0, one row per block)."""
+        return JobSpec(self.gpu_blocks, self.host_rows)
 
     @property
     def job_bytes(self) -> int:
@@ -330,6 +336,7 @@ class EnginePath(_PoolPath):
         except (ValueError, TypeError, RuntimeError) as error:
             raise PathUnavailable(f"backend {backend!r}: {error}") from None
         self._job_ids = itertools.count(1)
+        self._spec = ws.spec
         self._pending: int | None = None
         self._started = 0.0
 
@@ -339,11 +346,10 @@ class EnginePath(_PoolPath):
 
     def submit(self, direction: str) -> None:
         job = next(self._job_ids)
-        ws = self.ws
         if direction == STORE:
-            accepted = self.engine.submit_store(job, ws.gpu_blocks, ws.host_rows)
+            accepted = self.engine.submit_store(job, self._spec)
         else:
-            accepted = self.engine.submit_load(job, ws.host_rows, ws.gpu_blocks)
+            accepted = self.engine.submit_load(job, self._spec)
         if not accepted:
             raise RuntimeError(f"engine {self.name} refused job {job}")
         self._pending = job
@@ -367,7 +373,7 @@ class EnginePath(_PoolPath):
         # upload and kernel) is counted on CUDA by the profiler (harness.count_device_ops).
         engine = self.engine
         if engine.cuda and engine.last_job_backend == "dma":
-            return int(engine._dma.last_copy_count)
+            return int(engine.copiers["dma"].last_copy_count)
         return None
 
     def close(self) -> None:

@@ -131,7 +131,7 @@ def test_batched_dma_unusable_bindings_make_it_unavailable(stand_ins: Any, failu
 def test_engine_path_counts_dma_jobs_without_the_profiler() -> None:
     runner = object.__new__(EnginePath)
     copier = SimpleNamespace(last_copy_count=100_000)
-    runner.engine = SimpleNamespace(cuda=True, last_job_backend="dma", _dma=copier)
+    runner.engine = SimpleNamespace(cuda=True, last_job_backend="dma", copiers={"dma": copier})
     assert runner.launches_per_job("store") == 100_000
     runner.engine.last_job_backend = "triton"
     assert runner.launches_per_job("store") is None  # profiled

@@ -15,15 +15,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from triton_offload.kernels.copy_blocks import (
     TILE_BYTES,
-    CopyLayout,
-    Direction,
-    PlaneGeometry,
-    copy_blocks,
     default_num_programs,
     grid_size,
     launch_copy,
 )
 
+from triton_offload import layout as layout_module
+from triton_offload.copiers import copy_blocks, kernel_tables
+from triton_offload.jobs import Direction
+from triton_offload.layout import CacheLayout
 from triton_offload.reference import byte_plane, reference_copy
 
 DIRECTIONS = [Direction.TO_POOL, Direction.FROM_POOL]
@@ -62,33 +62,43 @@ class Case:
     pool_rows: int
     pool_row_bytes: int
     pool_shift: int = 0
+    #: bytes between pool rows; more than pool_row_bytes leaves gaps no copy may touch
+    pool_row_stride: int = 0
     pool_buffer: torch.Tensor = field(init=False)
     pool: torch.Tensor = field(init=False)
-    layout: CopyLayout = field(init=False)
+    layout: CacheLayout = field(init=False)
 
     def __post_init__(self) -> None:
-        # The pool is a slice of a larger buffer, so its address can be made odd.
+        stride = self.pool_row_stride = max(self.pool_row_stride, self.pool_row_bytes)
+        # The pool is a (row-strided) view into a larger buffer, so its address can be
+        # made odd and its rows spaced wider than they hold.
         self.pool_buffer = torch.empty(
-            self.pool_shift + self.pool_rows * self.pool_row_bytes + 64, dtype=torch.uint8
+            self.pool_shift + self.pool_rows * stride + 64, dtype=torch.uint8
         )
-        start = self.pool_shift
-        self.pool = self.pool_buffer[start : start + self.pool_rows * self.pool_row_bytes].view(
-            self.pool_rows, self.pool_row_bytes
+        self.pool = self.pool_buffer.as_strided(
+            (self.pool_rows, self.pool_row_bytes), (stride, 1), self.pool_shift
         )
         geometries = [
-            PlaneGeometry.of_view(view, group=plane.group, pool_offset=offset)
+            layout_module.Plane.of_view(view, group=plane.group, pool_offset=offset)
             for view, plane, offset in zip(
                 self.views(self.backings), self.planes, self.pool_offsets, strict=True
             )
         ]
-        self.layout = CopyLayout.build(
+        self.layout = CacheLayout.from_planes(
             geometries,
             num_groups=self.num_groups,
             blocks_per_chunk=self.blocks_per_chunk,
-            pool_row_bytes=self.pool_row_bytes,
-            pool_rows=self.pool_rows,
+            row_bytes=self.pool_row_bytes,
             device="cpu",
         )
+
+    def outside_pool(self) -> torch.Tensor:
+        """Bool mask of the pool buffer's bytes that no pool row holds (gaps, margins)."""
+        outside = torch.ones(self.pool_buffer.numel(), dtype=torch.bool)
+        for row in range(self.pool_rows):
+            start = self.pool_shift + row * self.pool_row_stride
+            outside[start : start + self.pool_row_bytes] = False
+        return outside
 
     def views(self, backings: list[torch.Tensor]) -> list[torch.Tensor]:
         return [
@@ -133,12 +143,14 @@ def simple_case(
     pad: int = 0,
     pool_gap: int = 0,
     pool_shift: int = 0,
+    row_gap: int = 0,
     dtype: torch.dtype = torch.uint8,
 ) -> Case:
     """One backing tensor per plane; ``pages`` = [(group, page_bytes)] ordered by group.
 
     Rows are plane-major per group: a group's planes follow each other in the row, with
-    ``pool_gap`` spare bytes after each (odd gaps give odd pool offsets).
+    ``pool_gap`` spare bytes after each (odd gaps give odd pool offsets). ``row_gap``
+    spaces the pool rows that many bytes wider than they hold (a row-strided pool).
     """
     element = torch.empty((), dtype=dtype).element_size()
     backings, planes, offsets = [], [], []
@@ -150,6 +162,7 @@ def simple_case(
         planes.append(Plane(len(backings) - 1, group, 0, stride, page, num_blocks))
         offsets.append(used[group])
         used[group] += blocks_per_chunk * page + pool_gap
+    row_bytes = max(max(used), 1) + 5
     return Case(
         backings,
         planes,
@@ -157,8 +170,9 @@ def simple_case(
         num_groups,
         blocks_per_chunk,
         pool_rows,
-        max(max(used), 1) + 5,
+        row_bytes,
         pool_shift,
+        row_bytes + row_gap,
     )
 
 
@@ -205,10 +219,10 @@ def run_and_check(
         assert torch.equal(got[mask], want[mask]), "addressed destination bytes differ"
         assert torch.equal(got[~mask], old[~mask]), "unaddressed destination bytes changed"
         assert torch.equal(got, want)
-    # Bytes of the pool's backing buffer outside the pool are never touched.
-    start, end = case.pool_shift, case.pool_shift + case.pool.numel()
-    assert torch.equal(case.pool_buffer[:start], buffer_before[:start])
-    assert torch.equal(case.pool_buffer[end:], buffer_before[end:])
+    # Bytes of the pool's backing buffer outside the pool rows (margins, and the gaps
+    # between rows of a row-strided pool) are never touched.
+    outside = case.outside_pool()
+    assert torch.equal(case.pool_buffer[outside], buffer_before[outside])
 
 
 def random_pairs(
@@ -344,6 +358,19 @@ def test_pool_at_an_arbitrary_address(pool_shift: int, direction: Direction) -> 
     run_and_check(case, pairs, offsets, direction)
 
 
+@pytest.mark.parametrize("direction", DIRECTIONS)
+@pytest.mark.parametrize("row_gap", [16, 37])
+def test_row_strided_pool_leaves_the_gaps_alone(row_gap: int, direction: Direction) -> None:
+    # A worker's view into a shared region: its rows sit row_bytes + row_gap apart and the
+    # bytes between them belong to other workers (poisoned here, checked unchanged).
+    case = simple_case(
+        [(0, 64), (0, 200), (1, 48)], num_groups=2, blocks_per_chunk=2, row_gap=row_gap
+    )
+    assert case.pool.stride(0) == case.pool_row_bytes + row_gap
+    pairs, offsets = random_pairs(case, [5, 3], torch.Generator().manual_seed(12))
+    run_and_check(case, pairs, offsets, direction)
+
+
 @pytest.mark.parametrize("num_programs", [1, 2, 5, 64])
 def test_any_grid_size_covers_every_item(num_programs: int) -> None:
     case = simple_case([(0, 64), (0, TILE_BYTES + 32), (1, 16)], num_groups=2, num_blocks=6)
@@ -412,7 +439,8 @@ def test_empty_job_launches_nothing() -> None:
     case = simple_case([(0, 32)], num_groups=1)
     case.pool.fill_(7)
     empty = torch.zeros(0, 3, dtype=torch.int64)
-    launch_copy(case.layout, empty, torch.tensor([0, 0]), case.pool.data_ptr(), 0)
+    tables = kernel_tables(case.layout, case.pool_row_stride, TILE_BYTES, torch.device("cpu"))
+    launch_copy(tables, empty, torch.tensor([0, 0]), case.pool.data_ptr(), 0)
     copy_blocks(case.layout, empty, torch.tensor([0, 0]), case.pool, Direction.TO_POOL)
     assert bool((case.pool == 7).all())
 
@@ -435,7 +463,7 @@ def test_layout_tiles_and_mean_item_size() -> None:
     case = simple_case(
         [(0, 4096), (0, 4096), (1, 1536), (1, 65536), (2, 520)], num_groups=3, num_blocks=2
     )
-    layout = case.layout
+    layout = kernel_tables(case.layout, case.pool_row_stride, TILE_BYTES, torch.device("cpu"))
     # Tiles: 1 + 1 for group 0, 1 + 8 for group 1, 1 for group 2.
     assert layout.group_table.tolist() == [[2, 0], [9, 2], [1, 11]]
     assert layout.tile_table.shape == (12, 5)
@@ -485,6 +513,7 @@ def test_random_jobs_match_the_reference(
         pad=seed % 5,
         pool_gap=seed % 3,
         pool_shift=pool_shift,
+        row_gap=(seed // 7) % 3 * 11,
     )
     counts = [min(c, 5) for c in counts]
     pairs, offsets = random_pairs(case, counts, torch.Generator().manual_seed(seed))

@@ -13,14 +13,13 @@ import torch
 from triton_offload.kernels.copy_blocks import (
     PCIE_IN_FLIGHT_TARGET_BYTES,
     TILE_BYTES,
-    CopyLayout,
-    Direction,
-    PlaneGeometry,
-    copy_blocks,
     default_num_programs,
     launch_copy,
 )
 
+from triton_offload.copiers import copy_blocks, kernel_tables
+from triton_offload.jobs import Direction
+from triton_offload.layout import CacheLayout, Plane
 from triton_offload.reference import byte_plane, reference_copy
 
 pytestmark = pytest.mark.cuda
@@ -39,7 +38,7 @@ def device_pointer(host: torch.Tensor) -> int:
 
 def make_cache(
     pages: list[tuple[int, int, torch.dtype]], num_blocks: int, blocks_per_chunk: int
-) -> tuple[list[torch.Tensor], list[PlaneGeometry], int]:
+) -> tuple[list[torch.Tensor], list[Plane], int]:
     """One CUDA tensor per plane ``(group, page_bytes, dtype)``; returns row bytes too."""
     tensors, planes, used = [], [], {}
     generator = torch.Generator().manual_seed(0)
@@ -51,7 +50,7 @@ def make_cache(
         tensor = data.cuda().view(dtype)[:, : page // element]
         tensors.append(tensor)
         offset = used.get(group, 0)
-        planes.append(PlaneGeometry.of_view(byte_plane(tensor), group=group, pool_offset=offset))
+        planes.append(Plane.of_view(byte_plane(tensor), group=group, pool_offset=offset))
         used[group] = offset + blocks_per_chunk * page
     return tensors, planes, max(used.values())
 
@@ -87,14 +86,10 @@ def test_store_then_load_through_the_pool(pool_kind: str, pool_shift: int) -> No
     num_blocks, bpc, count = 64, 3, 20
     tensors, planes, row_bytes = make_cache(PAGES, num_blocks, bpc)
     rows = 3 * -(-count // bpc)
-    layout = CopyLayout.build(
-        planes,
-        num_groups=3,
-        blocks_per_chunk=bpc,
-        pool_row_bytes=row_bytes,
-        pool_rows=rows,
-        device="cuda",
+    layout = CacheLayout.from_planes(
+        planes, num_groups=3, blocks_per_chunk=bpc, row_bytes=row_bytes, device="cuda"
     )
+    tables = kernel_tables(layout, row_bytes, TILE_BYTES, torch.device("cuda"))
     pairs, offsets = pairs_for(3, count, num_blocks, bpc)
     # The pool is a slice of a larger buffer: shifts 3 and 8 take the byte / 8-byte paths.
     size = rows * row_bytes
@@ -113,7 +108,7 @@ def test_store_then_load_through_the_pool(pool_kind: str, pool_shift: int) -> No
     table, group_offsets = pairs.cuda(), offsets.cuda()
     address = device_pointer(buffer) + pool_shift if pool_kind == "pinned" else pool.data_ptr()
     with torch.cuda.stream(stream):
-        launch_copy(layout, table, group_offsets, address, Direction.TO_POOL)
+        launch_copy(tables, table, group_offsets, address, Direction.TO_POOL)
     stream.synchronize()
     assert torch.equal(pool.cpu(), expected_pool)
     assert all(
@@ -133,7 +128,7 @@ def test_store_then_load_through_the_pool(pool_kind: str, pool_shift: int) -> No
     expected_cache = [v.clone() for v in (byte_plane(t.cpu()) for t in tensors)]
     reference_copy(expected_cache, layout, pairs, offsets, expected_pool, Direction.FROM_POOL)
     with torch.cuda.stream(stream):
-        launch_copy(layout, table, group_offsets, address, Direction.FROM_POOL)
+        launch_copy(tables, table, group_offsets, address, Direction.FROM_POOL)
     stream.synchronize()
     for tensor, whole, want in zip(tensors, whole_blocks, expected_cache, strict=True):
         assert torch.equal(byte_plane(tensor).cpu(), want)
@@ -146,13 +141,8 @@ def test_copy_blocks_device_to_device_many_layers() -> None:
     num_blocks, bpc = 128, 1
     pages = [(0, 8192, torch.bfloat16)] * 64
     tensors, planes, row_bytes = make_cache(pages, num_blocks, bpc)
-    layout = CopyLayout.build(
-        planes,
-        num_groups=1,
-        blocks_per_chunk=bpc,
-        pool_row_bytes=row_bytes,
-        pool_rows=48,
-        device="cuda",
+    layout = CacheLayout.from_planes(
+        planes, num_groups=1, blocks_per_chunk=bpc, row_bytes=row_bytes, device="cuda"
     )
     pool = torch.full((48, row_bytes), 7, dtype=torch.uint8, device="cuda")
     pairs, offsets = pairs_for(1, 48, num_blocks, bpc)

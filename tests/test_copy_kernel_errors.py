@@ -7,38 +7,40 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from triton_offload.kernels.copy_blocks import (
-    CopyLayout,
-    Direction,
-    PlaneGeometry,
-    copy_blocks,
-    validate_pairs,
-)
 
+from triton_offload import jobs
+from triton_offload.copiers import copy_blocks
+from triton_offload.jobs import Direction
+from triton_offload.layout import CacheLayout, Plane
 from triton_offload.reference import byte_plane
 
 BPC = 2
 ROWS = 6
 
 
-def plane(**overrides: int) -> PlaneGeometry:
+def plane(**overrides: int) -> Plane:
     fields = dict(
         group=0, base_address=1 << 20, block_stride=256, page_bytes=256, num_blocks=8, pool_offset=0
     )
     fields.update(overrides)
-    return PlaneGeometry(**fields)
+    return Plane(**fields)  # type: ignore[arg-type]
 
 
-def build(planes: list[PlaneGeometry], **overrides: object) -> CopyLayout:
+def build(planes: list[Plane], **overrides: object) -> CacheLayout:
     kwargs: dict[str, object] = dict(
-        num_groups=2, blocks_per_chunk=BPC, pool_row_bytes=1024, pool_rows=ROWS, device="cpu"
+        num_groups=2, blocks_per_chunk=BPC, row_bytes=1024, device="cpu"
     )
     kwargs.update(overrides)
-    return CopyLayout.build(planes, **kwargs)  # type: ignore[arg-type]
+    return CacheLayout.from_planes(planes, **kwargs)  # type: ignore[arg-type]
+
+
+def validate_pairs(layout: CacheLayout, pairs: object, offsets: object, direction: object) -> None:
+    """The library's check of a pair table against a pool of ROWS rows."""
+    jobs.validate_pairs(layout, ROWS, pairs, offsets, direction)  # type: ignore[arg-type]
 
 
 @pytest.fixture
-def layout() -> CopyLayout:
+def layout() -> CacheLayout:
     # Group 0: two planes (8 blocks), group 1: one plane of 5 blocks in separate memory.
     return build(
         [
@@ -53,11 +55,11 @@ GOOD_PAIRS = [[1, 0, 0], [3, 0, 1], [2, 4, 1]]
 GOOD_OFFSETS = [0, 2, 3]
 
 
-def check(layout: CopyLayout, pairs: list[list[int]], offsets: list[int], direction: int) -> None:
+def check(layout: CacheLayout, pairs: list[list[int]], offsets: list[int], direction: int) -> None:
     validate_pairs(layout, torch.tensor(pairs).reshape(-1, 3), torch.tensor(offsets), direction)
 
 
-def test_good_tables_pass(layout: CopyLayout) -> None:
+def test_good_tables_pass(layout: CacheLayout) -> None:
     for direction in Direction:
         check(layout, GOOD_PAIRS, GOOD_OFFSETS, direction)
         validate_pairs(layout, np.array(GOOD_PAIRS), np.array(GOOD_OFFSETS), direction)
@@ -79,14 +81,14 @@ def test_good_tables_pass(layout: CopyLayout) -> None:
         ([0, 0, 2], 0, r"slot 2 at pair 0 \(group 0\) out of range \[0, 2\)"),
     ],
 )
-def test_ids_out_of_range(layout: CopyLayout, pair: list[int], group: int, message: str) -> None:
+def test_ids_out_of_range(layout: CacheLayout, pair: list[int], group: int, message: str) -> None:
     offsets = [0, 1, 1] if group == 0 else [0, 0, 1]
     for direction in Direction:
         with pytest.raises(ValueError, match=message):
             check(layout, [pair], offsets, direction)
 
 
-def test_error_names_the_first_bad_pair(layout: CopyLayout) -> None:
+def test_error_names_the_first_bad_pair(layout: CacheLayout) -> None:
     with pytest.raises(ValueError, match=r"GPU block id 99 at pair 2 \(group 1\)"):
         check(layout, [[0, 0, 0], [1, 1, 0], [99, 2, 0]], [0, 2, 3], Direction.TO_POOL)
 
@@ -105,12 +107,12 @@ def test_error_names_the_first_bad_pair(layout: CopyLayout) -> None:
         ([0, 1, 2], r"group_offsets\[-1\] is 2 but pairs has 3 rows"),
     ],
 )
-def test_mismatched_table_lengths(layout: CopyLayout, offsets: list[int], message: str) -> None:
+def test_mismatched_table_lengths(layout: CacheLayout, offsets: list[int], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         check(layout, GOOD_PAIRS, offsets, Direction.TO_POOL)
 
 
-def test_pairs_shape_and_dtype(layout: CopyLayout) -> None:
+def test_pairs_shape_and_dtype(layout: CacheLayout) -> None:
     with pytest.raises(ValueError, match=r"pairs must have shape \[n, 3\], got \(3, 2\)"):
         validate_pairs(layout, torch.zeros(3, 2, dtype=torch.int64), torch.tensor([0, 3, 3]), 0)
     with pytest.raises(TypeError, match=r"pairs must hold integers, got torch\.float32"):
@@ -119,7 +121,7 @@ def test_pairs_shape_and_dtype(layout: CopyLayout) -> None:
         validate_pairs(layout, np.zeros((3, 3), dtype=np.int64), np.array([0.0, 3.0, 3.0]), 0)
 
 
-def test_bad_direction(layout: CopyLayout) -> None:
+def test_bad_direction(layout: CacheLayout) -> None:
     with pytest.raises(ValueError, match="direction 2 is not a Direction"):
         check(layout, GOOD_PAIRS, GOOD_OFFSETS, 2)
 
@@ -127,7 +129,7 @@ def test_bad_direction(layout: CopyLayout) -> None:
 # ---- two pairs writing the same destination page -------------------------------------
 
 
-def test_store_to_the_same_pool_page_twice(layout: CopyLayout) -> None:
+def test_store_to_the_same_pool_page_twice(layout: CacheLayout) -> None:
     pairs = [[1, 0, 0], [3, 4, 1], [5, 4, 1], [2, 3, 1]]
     with pytest.raises(ValueError, match=r"pairs 1 and 2 both write pool row 4 slot 1 \(group 0\)"):
         check(layout, pairs, [0, 3, 4], Direction.TO_POOL)
@@ -135,7 +137,7 @@ def test_store_to_the_same_pool_page_twice(layout: CopyLayout) -> None:
     check(layout, pairs, [0, 3, 4], Direction.FROM_POOL)
 
 
-def test_load_into_the_same_gpu_block_twice(layout: CopyLayout) -> None:
+def test_load_into_the_same_gpu_block_twice(layout: CacheLayout) -> None:
     pairs = [[1, 0, 0], [3, 1, 0], [1, 2, 0], [1, 3, 1]]
     with pytest.raises(ValueError, match=r"pairs 0 and 2 both write GPU block id 1 \(group 0\)"):
         check(layout, pairs, [0, 3, 4], Direction.FROM_POOL)
@@ -162,7 +164,7 @@ def test_interleaved_planes_of_two_groups_do_not_alias() -> None:
     check(interleaved, [[3, 0, 0], [3, 1, 0]], [0, 1, 2], Direction.FROM_POOL)
 
 
-def test_store_into_one_row_from_two_groups_sharing_row_bytes(layout: CopyLayout) -> None:
+def test_store_into_one_row_from_two_groups_sharing_row_bytes(layout: CacheLayout) -> None:
     # Both groups' planes start at byte 0 of a row: one row cannot hold chunks of both.
     assert layout.pool_shared_groups == ((0, 1),)
     with pytest.raises(ValueError, match="pool row 4 is written by groups 0 and 1"):
@@ -189,7 +191,7 @@ def test_store_into_one_row_from_two_groups_sharing_row_bytes(layout: CopyLayout
         ([plane(pool_offset=-4)], "plane 0 pool_offset -4 must be >= 0"),
         (
             [plane(pool_offset=600)],
-            r"plane 0 pool_offset 600 \+ 2 slots x 256 bytes exceeds pool_row_bytes 1024",
+            r"plane 0 pool_offset 600 \+ 2 slots x 256 bytes exceeds row_bytes 1024",
         ),
         (
             [plane(), plane(base_address=1 << 22, pool_offset=300)],
@@ -198,7 +200,7 @@ def test_store_into_one_row_from_two_groups_sharing_row_bytes(layout: CopyLayout
         ([plane(base_address=(1 << 63) - 100)], "plane 0 address range overflows int64"),
     ],
 )
-def test_bad_plane_geometry(planes: list[PlaneGeometry], message: str) -> None:
+def test_bad_plane_geometry(planes: list[Plane], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         build(planes)
 
@@ -208,22 +210,22 @@ def test_bad_layout_sizes() -> None:
         build([plane()], blocks_per_chunk=0)
     with pytest.raises(ValueError, match="num_groups 0 must be >= 1"):
         build([plane()], num_groups=0)
-    with pytest.raises(ValueError, match="pool_rows 0 must be >= 1"):
-        build([plane()], pool_rows=0)
+    with pytest.raises(ValueError, match="row_bytes 0 must be >= 1"):
+        build([plane()], row_bytes=0)
     with pytest.raises(TypeError, match=r"plane 0 page_bytes must be an int, got 256\.0"):
         build([dataclasses.replace(plane(), page_bytes=256.0)])
-    with pytest.raises(TypeError, match="plane 0 must be a PlaneGeometry"):
+    with pytest.raises(TypeError, match="plane 0 must be a Plane"):
         build([(0, 1, 2, 3, 4, 5)])  # type: ignore[list-item]
 
 
 def test_views_whose_pages_do_not_fit_their_tensors() -> None:
     cache = torch.zeros(4, 64, dtype=torch.uint8)
     with pytest.raises(ValueError, match="block stride 16 bytes is smaller than its page of 64"):
-        PlaneGeometry.of_view(cache.as_strided((4, 64), (16, 1)), group=0, pool_offset=0)
+        Plane.of_view(cache.as_strided((4, 64), (16, 1)), group=0, pool_offset=0)
     with pytest.raises(ValueError, match=r"page is not contiguous: stride \(1, 4\)"):
-        PlaneGeometry.of_view(cache.as_strided((4, 16), (1, 4)), group=0, pool_offset=0)
+        Plane.of_view(cache.as_strided((4, 16), (1, 4)), group=0, pool_offset=0)
     with pytest.raises(ValueError, match=r"must be uint8 \[num_blocks, page_bytes\], got torch.f"):
-        PlaneGeometry.of_view(torch.zeros(4, 4), group=0, pool_offset=0)
+        Plane.of_view(torch.zeros(4, 4), group=0, pool_offset=0)
     with pytest.raises(ValueError, match="page_bytes 65 does not fit a block region of 64 bytes"):
         byte_plane(cache, page_bytes=65)
     with pytest.raises(ValueError, match="page_bytes 0 does not fit"):
@@ -235,13 +237,12 @@ def test_views_whose_pages_do_not_fit_their_tensors() -> None:
 # ---- copy_blocks: the pool tensor, and nothing moves on error --------------------------
 
 
-def real_layout(cache: torch.Tensor) -> CopyLayout:
-    return CopyLayout.build(
-        [PlaneGeometry.of_view(byte_plane(cache), group=0, pool_offset=0)],
+def real_layout(cache: torch.Tensor) -> CacheLayout:
+    return CacheLayout.from_planes(
+        [Plane.of_view(byte_plane(cache), group=0, pool_offset=0)],
         num_groups=1,
         blocks_per_chunk=BPC,
-        pool_row_bytes=BPC * 32,
-        pool_rows=ROWS,
+        row_bytes=BPC * 32,
         device="cpu",
     )
 
@@ -250,12 +251,15 @@ def test_pool_that_does_not_fit() -> None:
     cache = torch.arange(8 * 32, dtype=torch.int32).to(torch.uint8).reshape(8, 32)
     layout = real_layout(cache)
     pairs, offsets = torch.tensor([[0, 0, 0]]), torch.tensor([0, 1])
-    small = torch.zeros(ROWS * BPC * 32 - 1, dtype=torch.uint8)
-    with pytest.raises(ValueError, match="pool holds 383 bytes, the layout needs 6 rows x 64"):
-        copy_blocks(layout, pairs, offsets, small, Direction.TO_POOL)
+    narrow = torch.zeros(ROWS, BPC * 32 - 1, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"pool must be a uint8 \[rows, >= 64\] tensor, got"):
+        copy_blocks(layout, pairs, offsets, narrow, Direction.TO_POOL)
     strided = torch.zeros(ROWS, 2 * BPC * 32, dtype=torch.uint8)[:, ::2]
-    with pytest.raises(ValueError, match="pool must be contiguous"):
+    with pytest.raises(ValueError, match=r"pool rows must be contiguous, got strides \(128, 2\)"):
         copy_blocks(layout, pairs, offsets, strided, Direction.TO_POOL)
+    few_rows = torch.zeros(2, BPC * 32, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"pool row 2 at pair 0 \(group 0\) out of range \[0, 2\)"):
+        copy_blocks(layout, torch.tensor([[0, 2, 0]]), offsets, few_rows, Direction.TO_POOL)
     with pytest.raises(TypeError, match=r"pool must be a torch\.Tensor, got ndarray"):
         copy_blocks(layout, pairs, offsets, np.zeros(1024, np.uint8), 0)  # type: ignore[arg-type]
     pool = torch.zeros(ROWS, BPC * 32, dtype=torch.uint8)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from triton_offload.kernels.copy_blocks import CopyLayout, Direction
 
 from triton_offload import cpu_copy
+from triton_offload.jobs import Direction
 from triton_offload.layout import build_layout
 from triton_offload.reference import reference_copy
 
@@ -86,17 +86,9 @@ def test_copy_pages_matches_reference(
             # the one-thread path copies plane by plane without it.
             assert len(shares) == (threads if threads > 1 else 0)
         else:
-            copy_layout = CopyLayout.build(
-                layout.geometries(),
-                num_groups=2,
-                blocks_per_chunk=blocks_per_chunk,
-                pool_row_bytes=layout.row_bytes,
-                pool_rows=5,
-                device="cpu",
-            )
             reference_copy(
                 [plane.view for plane in layout.planes],
-                copy_layout,
+                layout,
                 torch.from_numpy(pairs),
                 torch.from_numpy(offsets),
                 pool,

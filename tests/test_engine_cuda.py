@@ -78,7 +78,7 @@ def test_round_trip(backend: str) -> None:
     before = host_bytes(storages)
 
     gpu, host, first = STORE
-    assert engine.submit_store("s", gpu, host, first)
+    assert engine.submit_store("s", gpu_blocks=gpu, host_blocks=host, first_block_index=first)
     engine.wait(["s"])
     (result,) = drain(engine, 1)
     assert result.success and result.transfer_time > 0
@@ -101,7 +101,9 @@ def test_round_trip(backend: str) -> None:
     for group, blocks in enumerate(gpu):  # poison the stored blocks
         for index in engine.layout.group_planes[group]:
             engine.layout.planes[index].view[blocks] = 0xAB
-    assert engine.submit_load("l", host, LOAD_TARGETS, first)
+    assert engine.submit_load(
+        "l", gpu_blocks=LOAD_TARGETS, host_blocks=host, first_block_index=first
+    )
     engine.wait(["l"])
     assert drain(engine, 1)[0].success
     for group, (blocks, targets) in enumerate(zip(gpu, LOAD_TARGETS, strict=True)):
@@ -125,8 +127,18 @@ def test_triton_and_dma_give_identical_pool_bytes() -> None:
     for backend in ("triton", "dma"):
         caches, _ = hybrid_caches(seed=4)
         engine = TransferEngine(plan(3), caches, HOST_BLOCKS, backend=backend)
-        engine.submit_store(0, [[5, 6, 7, 8], [1], [2, 3]], [[0, 1], [2], [3]], [2, 0, 1])
-        engine.submit_store(1, [[0, 1, 2], [3, 4], []], [[4], [5, 6], []], [0, 2, 0])
+        engine.submit_store(
+            0,
+            gpu_blocks=[[5, 6, 7, 8], [1], [2, 3]],
+            host_blocks=[[0, 1], [2], [3]],
+            first_block_index=[2, 0, 1],
+        )
+        engine.submit_store(
+            1,
+            gpu_blocks=[[0, 1, 2], [3, 4], []],
+            host_blocks=[[4], [5, 6], []],
+            first_block_index=[0, 2, 0],
+        )
         assert all(r.success for r in drain(engine, 2))
         pools.append(engine.pool.clone())
         engine.shutdown()
@@ -142,7 +154,7 @@ def test_store_waits_for_the_compute_stream(backend: str) -> None:
     torch.cuda.synchronize()
     torch.cuda._sleep(200_000_000)  # ~0.1 s on the compute stream before the write
     kv[4].fill_(7.0)
-    engine.submit_store(0, [[4], [], []], [[9], [], []])
+    engine.submit_store(0, gpu_blocks=[[4], [], []], host_blocks=[[9], [], []])
     engine.wait([0])
     assert drain(engine, 1)[0].success
     expected = torch.full_like(kv[4], 7.0).view(torch.uint8).flatten().cpu()
@@ -161,7 +173,7 @@ def test_load_waits_for_the_compute_stream(backend: str) -> None:
     read = torch.empty_like(kv[5])
     torch.cuda._sleep(200_000_000)
     read.copy_(kv[5])  # the reader, queued behind the sleep
-    engine.submit_load(0, [[3], [], []], [[5], [], []])
+    engine.submit_load(0, gpu_blocks=[[5], [], []], host_blocks=[[3], [], []])
     engine.wait([0])
     torch.cuda.synchronize()
     assert drain(engine, 1)[0].success
@@ -174,8 +186,12 @@ def test_fifo_per_direction_and_staging_reuse() -> None:
     engine = TransferEngine(plan(1), caches, HOST_BLOCKS, backend="triton")
     jobs = 3 * 64 + 5  # more jobs than staging buffers
     for job in range(jobs):
-        engine.submit_store(("s", job), [[job % NUM_BLOCKS], [], []], [[job % HOST_BLOCKS], [], []])
-    engine.submit_load(("l", 0), [[0], [], []], [[15], [], []])
+        engine.submit_store(
+            ("s", job),
+            gpu_blocks=[[job % NUM_BLOCKS], [], []],
+            host_blocks=[[job % HOST_BLOCKS], [], []],
+        )
+    engine.submit_load(("l", 0), gpu_blocks=[[15], [], []], host_blocks=[[0], [], []])
     results = drain(engine, jobs + 1)
     stores = [r.job_id for r in results if r.job_id[0] == "s"]
     assert stores == [("s", job) for job in range(jobs)]
@@ -187,13 +203,13 @@ def test_fifo_per_direction_and_staging_reuse() -> None:
 def test_dma_merges_contiguous_runs() -> None:
     caches, _ = hybrid_caches()
     engine = TransferEngine(plan(4), caches, HOST_BLOCKS, backend="dma")
-    engine.submit_store(0, [[4, 5, 6, 7], [], []], [[2], [], []])
+    engine.submit_store(0, gpu_blocks=[[4, 5, 6, 7], [], []], host_blocks=[[2], [], []])
     engine.wait([0])
     # K and V planes: one copy per plane for the 4 adjacent blocks in 4 adjacent slots.
-    assert engine._dma.last_copy_count == 2
-    engine.submit_store(1, [[], [4, 5, 6, 7], []], [[], [3], []])
+    assert engine.copiers["dma"].last_copy_count == 2
+    engine.submit_store(1, gpu_blocks=[[], [4, 5, 6, 7], []], host_blocks=[[], [3], []])
     engine.wait([1])
-    assert engine._dma.last_copy_count == 4  # padded plane: one copy per page
+    assert engine.copiers["dma"].last_copy_count == 4  # padded plane: one copy per page
     assert all(r.success for r in drain(engine, 2))
 
 
@@ -211,7 +227,7 @@ def test_pool_pinned_in_pieces_with_one_device_mapping() -> None:
     assert len(engine._pool._pieces) > 1
     assert engine.pool.is_pinned()
     assert engine.pool_address == cuda_api().device_pointer(engine.pool.data_ptr())
-    engine.submit_store(0, [[1], [2], [3]], [[0], [HOST_BLOCKS - 1], [5]])
+    engine.submit_store(0, gpu_blocks=[[1], [2], [3]], host_blocks=[[0], [HOST_BLOCKS - 1], [5]])
     engine.wait([0])
     assert drain(engine, 1)[0].success
     assert torch.equal(
@@ -237,18 +253,18 @@ def test_calibrated_crossover_and_configured_threshold() -> None:
     assert set(grid) == {0, 1}
     for points in grid.values():
         assert points and set(points.values()) <= {"dma", "triton"}
-    engine.submit_store(0, [[1], [2], [3]], [[0], [1], [2]])
-    assert engine.last_job_backend in ("dma", "triton")
+    engine.submit_store(0, gpu_blocks=[[1], [2], [3]], host_blocks=[[0], [1], [2]])
+    assert engine.last_job_backend in ("dma", "triton", "dma+triton")
     assert drain(engine, 1)[0].success
 
     always_dma = TransferEngine(plan(1), caches, HOST_BLOCKS, backend="auto", crossover=0)
-    always_dma.submit_store(0, [[1], [], []], [[0], [], []])
+    always_dma.submit_store(0, gpu_blocks=[[1], [], []], host_blocks=[[0], [], []])
     assert always_dma.last_job_backend == "dma"
     never = TransferEngine(
         plan(1), caches, HOST_BLOCKS, backend="auto", crossover={"store": 1 << 40, "load": 0}
     )
-    never.submit_store(0, [[1], [], []], [[0], [], []])
+    never.submit_store(0, gpu_blocks=[[1], [], []], host_blocks=[[0], [], []])
     assert never.last_job_backend == "triton"
-    never.submit_load(1, [[0], [], []], [[2], [], []])
+    never.submit_load(1, gpu_blocks=[[2], [], []], host_blocks=[[0], [], []])
     assert never.last_job_backend == "dma"
     assert all(r.success for r in drain(always_dma, 1) + drain(never, 2))

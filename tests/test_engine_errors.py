@@ -44,16 +44,17 @@ def state(engine: TransferEngine) -> list[torch.Tensor]:
 
 
 def assert_rejected(engine: TransferEngine, call: Callable[[], Any], match: str) -> None:
-    """``call`` raises ValueError matching ``match``, moves no byte; the engine still works."""
+    """``call`` raises ValueError (TypeError for a wrong type) matching ``match``, moves no
+    byte; the engine still works."""
     engine.pool.copy_(torch.randint(0, 256, engine.pool.shape, dtype=torch.uint8))
     before = state(engine)
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises((ValueError, TypeError), match=match):
         call()
     after = state(engine)
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
     assert engine.get_finished() == []
     # Still usable, including the job id of a rejected job.
-    assert engine.submit_store(7, [[0, 1], [2]], [[3], [1]])
+    assert engine.submit_store(7, gpu_blocks=[[0, 1], [2]], host_blocks=[[3], [1]])
     (result,) = engine.get_finished()
     assert result.job_id == 7 and result.success
     plane = engine.layout.planes[0]
@@ -61,10 +62,10 @@ def assert_rejected(engine: TransferEngine, call: Callable[[], Any], match: str)
 
 
 def test_reused_in_flight_job_id(engine: TransferEngine) -> None:
-    assert engine.submit_store(1, [[0], []], [[0], []])
+    assert engine.submit_store(1, gpu_blocks=[[0], []], host_blocks=[[0], []])
 
     def reuse() -> None:
-        engine.submit_load(1, [[0], []], [[2], []])
+        engine.submit_load(1, gpu_blocks=[[2], []], host_blocks=[[0], []])
 
     with pytest.raises(ValueError, match="job id 1 is already in flight"):
         reuse()
@@ -73,19 +74,24 @@ def test_reused_in_flight_job_id(engine: TransferEngine) -> None:
 
 
 def test_unhashable_job_id(engine: TransferEngine) -> None:
-    assert_rejected(engine, lambda: engine.submit_store([1], [[0], []], [[0], []]), "hashable")
+    assert_rejected(
+        engine,
+        lambda: engine.submit_store([1], gpu_blocks=[[0], []], host_blocks=[[0], []]),
+        "hashable",
+    )
 
 
 @pytest.mark.parametrize(
     ("gpu", "host", "first", "match"),
     [
-        ([[0]], [[0], []], None, "gpu_blocks has 1 groups but the engine has 2"),
-        ([[0], []], [[0], [], []], None, "host_blocks has 3 groups"),
+        ([[0]], [[0], []], None, "gpu_blocks has 1 groups but host_blocks has 2"),
+        ([[0], [], []], [[0], [], []], None, "the job has 3 groups but the engine has 2"),
+        ([[0], []], [[0], [], []], None, "gpu_blocks has 2 groups but host_blocks has 3"),
         ([[0], []], [[0], []], [0], "first_block_index has 1 groups"),
         ([[0, 6], []], [[0], []], None, r"GPU block id 6 of group 0 out of range \[0, 6\)"),
-        ([[], [-1]], [[], [0]], None, r"GPU block id -1 of group 1 out of range"),
+        ([[], [-1]], [[], [0]], None, r"GPU block id -1 of group 1 is negative"),
         ([[0], []], [[4], []], None, r"host block id 4 of group 0 out of range \[0, 4\)"),
-        ([[0], []], [[-2], []], None, r"host block id -2 of group 0 out of range"),
+        ([[0], []], [[-2], []], None, r"host block id -2 of group 0 is negative"),
         ([[0, 1, 2], []], [[0], []], None, "3 GPU blocks starting at slot 0 need 2 host chunks"),
         ([[0, 1], []], [[0], []], [1, 0], "2 GPU blocks starting at slot 1 need 2 host chunks"),
         ([[0], []], [[0], []], [-1, 0], r"first_block_index\[0\] -1 is negative"),
@@ -99,18 +105,22 @@ def test_unhashable_job_id(engine: TransferEngine) -> None:
 def test_bad_store(
     engine: TransferEngine, gpu: list, host: list, first: list | None, match: str
 ) -> None:
-    assert_rejected(engine, lambda: engine.submit_store(5, gpu, host, first), match)
+    assert_rejected(
+        engine,
+        lambda: engine.submit_store(5, gpu_blocks=gpu, host_blocks=host, first_block_index=first),
+        match,
+    )
 
 
 def test_bad_load(engine: TransferEngine) -> None:
     assert_rejected(
         engine,
-        lambda: engine.submit_load(5, [[0, 1], []], [[2, 3, 2], []]),
+        lambda: engine.submit_load(5, gpu_blocks=[[2, 3, 2], []], host_blocks=[[0, 1], []]),
         "both write GPU block id 2",
     )
     assert_rejected(
         engine,
-        lambda: engine.submit_load(5, [[0], []], [[9], []]),
+        lambda: engine.submit_load(5, gpu_blocks=[[9], []], host_blocks=[[0], []]),
         r"GPU block id 9 of group 0 out of range",
     )
 
@@ -143,9 +153,64 @@ def test_pool_argument() -> None:
     assert mine.pool.data_ptr() == pool.data_ptr()
     with pytest.raises(ValueError, match=r"pool must be a uint8 tensor of shape \(4, "):
         TransferEngine(plan, make_caches(), HOST_BLOCKS, pool=pool[:3])
+    region = torch.zeros(HOST_BLOCKS * engine.row_bytes * 2, dtype=torch.uint8)
+    overlapping = region.as_strided((HOST_BLOCKS, engine.row_bytes), (engine.row_bytes - 1, 1))
+    with pytest.raises(ValueError, match=r"pool row stride \d+ bytes is smaller than the"):
+        TransferEngine(plan, make_caches(), HOST_BLOCKS, backend="torch", pool=overlapping)
+    columns = region.as_strided((HOST_BLOCKS, engine.row_bytes), (2 * engine.row_bytes, 2))
+    with pytest.raises(ValueError, match=r"pool rows must be contiguous \(stride\(1\) == 1\)"):
+        TransferEngine(plan, make_caches(), HOST_BLOCKS, backend="torch", pool=columns)
+    with pytest.raises(TypeError, match=r"pool must be a torch\.Tensor, got ndarray"):
+        TransferEngine(plan, make_caches(), HOST_BLOCKS, pool=pool.numpy())  # type: ignore[arg-type]
     # With CUDA, a pageable CPU pool is rejected (checked without a GPU here).
     with pytest.raises(ValueError, match="pool is pageable host memory"):
         wrap_pool(pool, rows=HOST_BLOCKS, row_bytes=engine.row_bytes, cuda=True)
+
+
+def test_block_lists_cannot_be_given_by_position(engine: TransferEngine) -> None:
+    """Store and load once took their two lists in opposite orders; now only keywords or
+    a JobSpec are accepted, so a swapped pair of lists cannot be passed by position."""
+    from triton_offload.jobs import JobSpec
+
+    assert_rejected(
+        engine,
+        lambda: engine.submit_store(1, [[0], []], [[0], []]),  # type: ignore[arg-type, misc]
+        "takes from 2 to 3 positional arguments|must be a JobSpec",
+    )
+    assert_rejected(
+        engine,
+        lambda: engine.submit_load(1, [[0], []]),  # type: ignore[arg-type]
+        r"must be a JobSpec or given as gpu_blocks=/host_blocks= keywords, got list",
+    )
+    assert_rejected(
+        engine,
+        lambda: engine.submit_load(1, gpu_blocks=[[0], []]),
+        "a job needs gpu_blocks= and host_blocks=",
+    )
+    spec = JobSpec([[0], []], [[0], []])
+    assert_rejected(
+        engine,
+        lambda: engine.submit_store(1, spec, gpu_blocks=[[0], []]),
+        "either a JobSpec or gpu_blocks=/host_blocks=, not both",
+    )
+    assert engine.submit_store(2, spec)
+    assert [r.job_id for r in engine.get_finished()] == [2]
+
+
+def test_job_spec_is_immutable_and_checks_its_values() -> None:
+    from triton_offload.jobs import JobSpec
+
+    gpu = [3, 4]
+    spec = JobSpec([gpu, []], [[1], []], [2, 0])
+    gpu[0] = 99  # the spec copied the ids
+    assert spec.gpu_blocks[0].tolist() == [3, 4]
+    assert spec.first_block_index == (2, 0) and spec.num_pairs == 2
+    with pytest.raises(ValueError, match="read-only"):
+        spec.gpu_blocks[0][0] = 5
+    with pytest.raises(TypeError, match=r"host_blocks\[1\] must hold integer ids, got float64"):
+        JobSpec([[0], []], [[0], [1.5]])
+    with pytest.raises(TypeError, match="gpu_blocks must be a sequence with one entry per group"):
+        JobSpec("01", [[0], []])  # type: ignore[arg-type]
 
 
 def test_triton_on_cpu_needs_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -87,6 +87,48 @@ def test_kernels_import_nothing_of_the_library() -> None:
     assert offenders(KERNELS, "triton_offload") == []
 
 
+def _classes_with_fields(path: Path, fields: set[str]) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ClassDef):
+            names = {
+                item.target.id
+                for item in node.body
+                if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)
+            }
+            if fields <= names:
+                found.append(f"{path.name}:{node.name}")
+    return found
+
+
+def test_one_plane_geometry_type() -> None:
+    """Plane geometry is described once (layout.Plane): validation, copiers and kernel
+    tables all read it, so two descriptions cannot drift apart."""
+    fields = {"base_address", "block_stride", "page_bytes"}
+    found = [
+        hit
+        for folder in (LIBRARY, KERNELS)
+        for path in sorted(folder.rglob("*.py"))
+        for hit in _classes_with_fields(path, fields)
+    ]
+    assert found == ["layout.py:Plane"]
+
+
+def test_kernels_hold_only_jit_code_launchers_and_grid_functions() -> None:
+    """No validation or geometry in kernels/: its functions are @triton.jit kernels, the
+    launcher and the grid settings; its one class is the launcher's argument protocol."""
+    allowed = {"launch_copy", "default_num_programs", "grid_size", "_sm_count", "warm_up"}
+    for path in sorted(KERNELS.rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef):
+                jit = any("jit" in ast.unparse(d) for d in node.decorator_list)
+                assert jit or node.name in allowed, f"{path.name}: {node.name}"
+            elif isinstance(node, ast.ClassDef):
+                bases = {ast.unparse(b) for b in node.bases}
+                assert bases == {"Protocol"}, f"{path.name}: class {node.name}"
+
+
 def test_only_the_vllm_module_imports_vllm() -> None:
     assert offenders(LIBRARY, "vllm", allowed=("vllm.py",)) == []
     assert offenders(KERNELS, "vllm") == []

@@ -21,7 +21,7 @@ def test_library_example_runs_and_matches_its_comments() -> None:
     assert plan.store_reachable_chunks(1, storable_chunk_count=4) == [1, 3]  # type: ignore[attr-defined]
     assert plan.lookup(64, 0, present=[[True, True], [False, True, False, True]]) == 32  # type: ignore[attr-defined]
     # The example already drained get_finished(); a second store reports its own size.
-    assert engine.submit_store("again", [[3, 7], [7]], [[0, 1], [2]])  # type: ignore[attr-defined]
+    assert engine.submit_store("again", gpu_blocks=[[3, 7], [7]], host_blocks=[[0, 1], [2]])  # type: ignore[attr-defined]
     (result,) = engine.get_finished()  # type: ignore[attr-defined]
     assert result.success and result.transfer_size == 6912
     engine.shutdown()  # type: ignore[attr-defined]

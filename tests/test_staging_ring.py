@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triton_offload import engine as engine_module
+from triton_offload import copiers
 
 
 class _Event:
@@ -25,11 +25,11 @@ class _Event:
 @pytest.fixture(autouse=True)
 def _unpinned(monkeypatch: pytest.MonkeyPatch) -> None:
     # pin_memory needs CUDA; the ring's logic does not.
-    monkeypatch.setattr(engine_module, "_pinned_int64", lambda n: torch.empty(n, dtype=torch.int64))
+    monkeypatch.setattr(copiers, "_pinned_int64", lambda n: torch.empty(n, dtype=torch.int64))
 
 
 def test_a_buffer_is_reused_only_after_its_job_ended() -> None:
-    ring = engine_module._StagingRing(limit=4)
+    ring = copiers.StagingRing(limit=4)
     log: list[str] = []
     first, _ = ring.acquire(8)
     ring.release_after(first, _Event("a", log))
@@ -42,7 +42,7 @@ def test_a_buffer_is_reused_only_after_its_job_ended() -> None:
 
 
 def test_when_every_buffer_is_busy_it_waits_for_the_oldest_job() -> None:
-    ring = engine_module._StagingRing(limit=2)
+    ring = copiers.StagingRing(limit=2)
     log: list[str] = []
     index_a, _ = ring.acquire(8)
     ring.release_after(index_a, _Event("a", log))
@@ -56,7 +56,7 @@ def test_when_every_buffer_is_busy_it_waits_for_the_oldest_job() -> None:
 
 
 def test_a_larger_table_grows_the_buffer() -> None:
-    ring = engine_module._StagingRing(limit=1)
+    ring = copiers.StagingRing(limit=1)
     index, _ = ring.acquire(8)
     ring.release_after(index, None)
     index, large = ring.acquire(5000)

@@ -24,6 +24,7 @@ _EXPORTS: dict[str, str] = {
     "GroupPlan": "triton_offload.plan",
     "plan_offload": "triton_offload.plan",
     "is_store_reachable_chunk": "triton_offload.lookup",
+    "JobSpec": "triton_offload.jobs",
     "TransferEngine": "triton_offload.engine",
     "TransferResult": "triton_offload.engine",
     "HostBlockManager": "triton_offload.host_blocks",
@@ -36,6 +37,7 @@ __all__ = [
     "GroupPlan",
     "GroupSpec",
     "HostBlockManager",
+    "JobSpec",
     "LoadHandle",
     "OffloadPlan",
     "ParallelSpec",
@@ -52,6 +54,7 @@ if TYPE_CHECKING:
     from triton_offload.engine import TransferEngine, TransferResult
     from triton_offload.groups import GroupKind, GroupSpec, ParallelSpec, PlanningError
     from triton_offload.host_blocks import HostBlockManager, LoadHandle, StoreHandle
+    from triton_offload.jobs import JobSpec
     from triton_offload.lookup import is_store_reachable_chunk
     from triton_offload.plan import GroupPlan, OffloadPlan, plan_offload
 

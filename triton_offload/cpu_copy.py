@@ -35,7 +35,7 @@ import collections
 import ctypes
 import itertools
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
@@ -122,16 +122,19 @@ def plane_runs(
     pairs: np.ndarray,
     group_offsets: np.ndarray,
     direction: int,
+    planes: Sequence[int] | None = None,
 ) -> Iterator[PlaneRuns]:
     """Per plane of every group the job addresses, its pages merged into runs.
 
     The address arithmetic of the host-driven paths (this module's memmove path, one
-    async copy per run for DMA). ``pairs`` / ``group_offsets`` / ``direction`` as in
-    :func:`copy_pages`; ``pool_address`` is the address of pool row 0 as the copies
-    will see it. Work is numpy over the pairs, once per plane.
+    async copy per run for DMA). ``pairs`` / ``group_offsets`` / ``direction`` /
+    ``planes`` as in :func:`copy_pages`; ``pool_address`` is the address of pool row 0
+    as the copies will see it, ``pool_row_bytes`` the row stride. Work is numpy over the
+    pairs, once per plane.
     """
     assert direction in (TO_POOL, FROM_POOL)
     store = direction == TO_POOL
+    wanted = None if planes is None else frozenset(planes)
     for group in range(layout.num_groups):
         lo, hi = int(group_offsets[group]), int(group_offsets[group + 1])
         if lo == hi:
@@ -140,6 +143,8 @@ def plane_runs(
         row_starts = pool_address + pairs[lo:hi, 1] * pool_row_bytes
         slots = pairs[lo:hi, 2]
         for index in layout.group_planes[group]:
+            if wanted is not None and index not in wanted:
+                continue
             plane = layout.planes[index]
             page = plane.page_bytes
             cache = plane.base_address + blocks * plane.block_stride
@@ -158,16 +163,19 @@ def copy_pages(
     pairs: np.ndarray,
     group_offsets: np.ndarray,
     direction: int,
+    planes: Sequence[int] | None = None,
 ) -> int:
     """Copy every plane page named by ``pairs``; returns the bytes moved.
 
     ``pairs`` is int64 ``[n, 3]`` (gpu_block, pool_row, slot), ordered by group;
     ``group_offsets`` int64 ``[num_groups + 1]``. ``direction`` is ``TO_POOL`` (store)
-    or ``FROM_POOL`` (load). Addresses are host addresses (CPU tensors only).
+    or ``FROM_POOL`` (load). ``planes`` limits the copy to those plane indices (all
+    when None). Pool row ``r`` starts at ``pool_address + r * pool_row_bytes`` (the row
+    stride). Addresses are host addresses (CPU tensors only).
     """
     moved = 0
     all_runs = list(
-        plane_runs(layout, pool_address, pool_row_bytes, pairs, group_offsets, direction)
+        plane_runs(layout, pool_address, pool_row_bytes, pairs, group_offsets, direction, planes)
     )
     run_count = sum(runs.lengths.size for runs in all_runs)
     job_bytes = sum(runs.page_bytes * runs.pages for runs in all_runs)

@@ -1,79 +1,98 @@
 """TransferEngine: moves cache blocks between GPU cache planes and the host pool.
 
-A job names, per cache group ``g``, GPU block ids ``B_g``, host chunk ids ``H_g`` and
-the logical index ``s_g`` of ``B_g[0]`` in its request. The k-th GPU block sits at
-position ``p = (s_g mod bpc) + k``: host row ``H_g[p // bpc]``, slot ``p mod bpc``
-(``bpc`` = ``plan.blocks_per_chunk``). The engine turns this into an int64
-``(gpu_block, pool_row, slot)`` pair table (one row per block pair, whatever the
-number of layers), validates it completely before any byte moves, and hands it to
-one of three backends:
+A job is a :class:`~triton_offload.jobs.JobSpec`: per cache group, GPU block ids, host
+rows and the logical index of the first block (see ``triton_offload.jobs``). The engine
+turns it into an int64 pair table (one row per block pair, whatever the number of
+layers), validates it completely before any byte moves, and hands it to copiers
+(``triton_offload.copiers``) as its path policy (``triton_offload.selection``) assigns
+the job's planes:
 
-- ``"triton"``: the copy kernel of ``triton_offload.kernels.copy_blocks``, one
-  launch per job covering every group, plane and block (on CUDA, or on CPU tensors
-  under ``TRITON_INTERPRET=1``);
-- ``"dma"``: the CUDA copy engines, one ``cudaMemcpyAsync`` per merged contiguous
-  run of each plane;
-- ``"torch"``: the CPU path of ``triton_offload.cpu_copy`` (no CUDA, no Triton).
+- ``"triton"``: every plane by the copy kernel, one launch per job (on CUDA, or on CPU
+  tensors under ``TRITON_INTERPRET=1``);
+- ``"dma"``: every plane by the CUDA copy engines;
+- ``"torch"``: the CPU path (no CUDA, no Triton import);
+- ``"auto"``: the CPU path without CUDA; on CUDA the kernel for some planes and DMA for
+  others, per plane from a crossover measured at start-up (or configured).
 
-``"auto"`` picks the CPU path without CUDA; on CUDA it picks Triton or DMA per job
-from a crossover measured at start-up (or configured with ``crossover=``).
-
-On CUDA every job runs on a dedicated stream per direction, after an event recorded
-on the caller's current stream at submit time: a store must not read KV before
-compute wrote it, a load must not overwrite blocks that attention may still read.
-Jobs complete in FIFO order per direction. Without CUDA jobs run synchronously at
-submit and ``get_finished`` reports them once, in submit order.
+The engine itself keeps streams, events, FIFO completion and the lifecycle. On CUDA
+every job runs on a dedicated stream per direction, after an event recorded on the
+caller's current stream at submit time: a store must not read KV before compute wrote
+it, a load must not overwrite blocks that attention may still read. A job's copiers
+run one after another on that stream between one start and one end event; the start
+is recorded after the host work (address arithmetic, table staging and upload), so
+``transfer_time`` is the copy. Jobs complete in FIFO order per direction. Without
+CUDA jobs run synchronously at submit and ``get_finished`` reports them once, in
+submit order.
 
 Job ids: any hashable; an id is in flight from its submit until ``get_finished``
 reported it, and may be reused after that. ``wait`` blocks until jobs finished and
 leaves their results to ``get_finished``. ``submit_*`` returns True when the job was
 accepted (its result will be reported, with ``success=False`` if it failed while
-running) and False once ``shutdown()`` was called; bad input raises ValueError
-before anything is enqueued. The Triton backend also needs the Triton interpreter
-on CPU; the CPU path needs neither CUDA nor the interpreter, but imports the
-launcher module to validate pair tables the same way on every backend.
+running) and False once ``shutdown()`` was called; bad input raises ValueError or
+TypeError before anything is enqueued.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
-import math
-import os
 import time
 import weakref
 from collections import deque
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 import torch
 
-from triton_offload import cpu_copy
+from triton_offload.copiers import (
+    Copier,
+    DmaCopier,
+    HostCopier,
+    JobHolds,
+    TritonCopier,
+    load_kernels,
+)
+from triton_offload.jobs import (
+    DIRECTION_NAMES,
+    FROM_POOL,
+    TO_POOL,
+    JobSpec,
+    PairTable,
+    pair_table,
+)
 from triton_offload.layout import CacheLayout, Layer, build_layout, pool_plane_view
 from triton_offload.pool import (
     DEFAULT_PIECE_BYTES,
     HostPool,
     allocate_pool,
     cuda_api,
-    device_address_of_pinned,
     wrap_pool,
+)
+from triton_offload.selection import (
+    PATH_CHOICES,
+    Assignment,
+    Crossover,
+    CrossoverPath,
+    FixedPath,
+    PathChoice,
+    PathPolicy,
+    calibrate,
+    parse_crossover,
 )
 
 logger = logging.getLogger(__name__)
 
 Backend = Literal["auto", "triton", "dma", "torch"]
 _BACKENDS = ("auto", "triton", "dma", "torch")
-
-TO_POOL = cpu_copy.TO_POOL
-FROM_POOL = cpu_copy.FROM_POOL
-_DIRECTION_NAMES = {TO_POOL: "store", FROM_POOL: "load"}
-
-#: Pinned staging buffers kept for pair tables; more in-flight jobs than this wait
-#: for the oldest buffer's job to finish before reusing it.
-MAX_STAGING_BUFFERS = 64
+#: The copiers each backend builds (``"auto"`` picks among them per plane).
+_BACKEND_COPIERS = {
+    "auto": ("triton", "dma"),
+    "triton": ("triton",),
+    "dma": ("dma",),
+    "torch": ("torch",),
+}
 
 
 @dataclass(frozen=True)
@@ -81,7 +100,8 @@ class TransferResult:
     """Outcome of one job: bytes moved and the device time between its start and end.
 
     ``transfer_size`` counts every page of every plane the job addressed (bytes);
-    ``transfer_time`` is in seconds (CUDA events on CUDA, wall clock on CPU).
+    ``transfer_time`` is in seconds (CUDA events on CUDA, wall clock on CPU), from
+    after the job's host preparation to the end of its last copy.
     A job that failed while running has ``success=False``.
     """
 
@@ -95,13 +115,13 @@ class TransferResult:
 class _Job:
     job_id: Hashable
     direction: int
-    backend: str
+    assignment: Assignment
     transfer_size: int
     success: bool = True
     transfer_time: float = 0.0
     start: Any = None  # torch.cuda.Event
     end: Any = None  # torch.cuda.Event
-    keep_alive: list[Any] = field(default_factory=list)
+    holds: JobHolds = field(default_factory=JobHolds)
 
     def done(self) -> bool:
         return self.end is None or bool(self.end.query())
@@ -113,274 +133,14 @@ class _Job:
         return TransferResult(self.job_id, self.success, self.transfer_size, seconds)
 
 
-class _StagingRing:
-    """Pinned int64 buffers for pair tables; each is reused only after its job ended."""
-
-    def __init__(self, limit: int = MAX_STAGING_BUFFERS) -> None:
-        self.buffers: list[torch.Tensor] = []
-        self.events: list[Any] = []
-        # Submit order of each buffer's last job: the oldest finishes first (FIFO
-        # streams), so that is the one to wait for when every buffer is busy.
-        self.release_order: list[int] = []
-        self.releases = 0
-        self.limit = limit
-
-    def acquire(self, numel: int) -> tuple[int, torch.Tensor]:
-        for index, event in enumerate(self.events):
-            if event is None or event.query():
-                if self.buffers[index].numel() < numel:
-                    self.buffers[index] = _pinned_int64(numel)
-                self.events[index] = None
-                return index, self.buffers[index][:numel]
-        if len(self.buffers) < self.limit:
-            self.buffers.append(_pinned_int64(numel))
-            self.events.append(None)
-            self.release_order.append(0)
-            return len(self.buffers) - 1, self.buffers[-1][:numel]
-        # All buffers belong to running jobs: wait for the oldest use to finish.
-        index = min(range(len(self.events)), key=self.release_order.__getitem__)
-        self.events[index].synchronize()
-        return self.acquire(numel)
-
-    def release_after(self, index: int, event: Any) -> None:
-        self.events[index] = event
-        self.releases += 1
-        self.release_order[index] = self.releases
-
-
-def _pinned_bytes(numel: int) -> torch.Tensor:
-    return torch.zeros(numel, dtype=torch.uint8, pin_memory=True)
-
-
-def _pinned_int64(numel: int) -> torch.Tensor:
-    capacity = 1 << max(10, math.ceil(math.log2(max(numel, 1))))
-    return torch.empty(capacity, dtype=torch.int64, pin_memory=True)
-
-
-@dataclass(frozen=True)
-class Crossover:
-    """Per direction, the winner measured at grid points (page bytes, pages per job).
-
-    ``threshold`` (configured) overrides the grid: DMA when a job's mean page size
-    is at least that many bytes.
-    """
-
-    grid: Mapping[int, Mapping[tuple[int, int], str]] = field(default_factory=dict)
-    threshold: Mapping[int, int] | None = None
-
-    def choose(self, direction: int, page_bytes: float, pages: int) -> str:
-        if self.threshold is not None:
-            return "dma" if page_bytes >= self.threshold[direction] else "triton"
-        points = self.grid.get(direction)
-        if not points:
-            return "triton"
-
-        def distance(point: tuple[int, int]) -> tuple[float, float]:
-            return (
-                abs(math.log2(point[0]) - math.log2(max(page_bytes, 1.0))),
-                abs(math.log2(point[1]) - math.log2(max(pages, 1))),
-            )
-
-        return points[min(points, key=distance)]
-
-
-def _as_ids(values: Any, what: str) -> np.ndarray:
-    """A 1-d int64 array from a sequence / array / tensor of integer ids."""
-    if isinstance(values, torch.Tensor):
-        values = values.detach().cpu().numpy()
-    array = np.asarray(values)
-    if array.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    if array.ndim != 1:
-        raise ValueError(f"{what} must be a 1-d sequence of ids, got shape {array.shape}")
-    if array.dtype.kind not in "iu" or array.dtype == np.bool_:
-        raise ValueError(f"{what} must hold integer ids, got {array.dtype}: {array[:8]!r}")
-    if array.dtype.kind == "u" and array.max() > np.iinfo(np.int64).max:
-        raise ValueError(f"{what}: id {array.max()} out of range")
-    return array.astype(np.int64, copy=False)
-
-
-def _first_bad(ids: np.ndarray, limit: int) -> int | None:
-    bad = (ids < 0) | (ids >= limit)
-    if bad.any():
-        return int(ids[np.argmax(bad)])
-    return None
-
-
-class DmaCopier:
-    """The copy-engine path: one async copy per merged contiguous run of each plane.
-
-    Runs are pages adjacent on both sides (consecutive GPU blocks of a plane whose
-    block stride equals its page size, consecutive slots of one pool row); a padded
-    or K/V-interleaved plane is copied page by page.
-    """
-
-    def __init__(
-        self, layout: CacheLayout, pool_address: int, row_bytes: int, api: Any = None
-    ) -> None:
-        self.layout = layout
-        self.pool_address = pool_address
-        self.row_bytes = row_bytes
-        self.api = cuda_api() if api is None else api
-        self.last_copy_count = 0
-
-    def copy(self, pairs: np.ndarray, offsets: np.ndarray, direction: int, stream: Any) -> None:
-        handle = int(stream.cuda_stream)
-        count = 0
-        # Same runs, same addresses as the CPU path: only the copy call differs.
-        for runs in cpu_copy.plane_runs(
-            self.layout, self.pool_address, self.row_bytes, pairs, offsets, direction
-        ):
-            for target, source, length in zip(
-                runs.targets.tolist(), runs.sources.tolist(), runs.lengths.tolist(), strict=True
-            ):
-                self.api.memcpy_async(target, source, length, handle)
-            count += runs.lengths.size
-        self.last_copy_count = count
-
-
-#: Calibration grid: pages per job (the page sizes are the layout's own).
-CALIBRATION_PAGES = (16, 256)
-#: Bytes per calibration measurement; keeps the whole start-up measurement to a few ms.
-CALIBRATION_MAX_BYTES = 16 << 20
-
-
-def _calibration_page_sizes(layout: CacheLayout, limit: int = 4) -> list[int]:
-    sizes = sorted({plane.page_bytes for plane in layout.planes})
-    if len(sizes) <= limit:
-        return sizes
-    picks = np.linspace(0, len(sizes) - 1, limit).round().astype(int)
-    return sorted({sizes[i] for i in picks})
-
-
-def _time_on(stream: Any, fn: Any, repeats: int = 3) -> float:
-    """Median seconds of ``fn()`` enqueued on ``stream`` (after one warm-up call)."""
-    with torch.cuda.stream(stream):
-        fn()
-        times = []
-        for _ in range(repeats):
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record(stream)
-            fn()
-            end.record(stream)
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-    return float(np.median(times))
-
-
-def _dma_pages(api: Any, targets: list[int], sources: list[int], page: int, handle: int) -> None:
-    for target, source in zip(targets, sources, strict=True):
-        api.memcpy_async(target, source, page, handle)
-
-
-def calibrate(engine: TransferEngine) -> Crossover:
-    """Time the Triton kernel against DMA per direction on scratch buffers.
-
-    The grid is (each distinct page size of the caches, up to 4) x
-    ``CALIBRATION_PAGES`` pages, pages scattered by a random permutation so DMA
-    cannot merge them, as in real jobs. Scratch device and pinned host buffers are
-    used so that neither the caches nor the pool are touched.
-    """
-    kernels = engine._kernels
-    device = engine.device
-    api = cuda_api()
-    grid: dict[int, dict[tuple[int, int], str]] = {TO_POOL: {}, FROM_POOL: {}}
-    generator = torch.Generator().manual_seed(0)
-    for page in _calibration_page_sizes(engine.layout):
-        for wanted in CALIBRATION_PAGES:
-            pages = max(1, min(wanted, CALIBRATION_MAX_BYTES // page))
-            scratch = torch.zeros(pages * page, dtype=torch.uint8, device=device)
-            host = _pinned_bytes(pages * page)
-            host_address = device_address_of_pinned(host)
-            geometry = kernels.PlaneGeometry(
-                group=0,
-                base_address=scratch.data_ptr(),
-                block_stride=page,
-                page_bytes=page,
-                num_blocks=pages,
-                pool_offset=0,
-            )
-            layout = kernels.CopyLayout.build(
-                [geometry],
-                num_groups=1,
-                blocks_per_chunk=1,
-                pool_row_bytes=page,
-                pool_rows=pages,
-                device=device,
-            )
-            rows = torch.randperm(pages, generator=generator)
-            pairs = torch.stack(
-                [torch.arange(pages), rows, torch.zeros(pages, dtype=torch.int64)], dim=1
-            )
-            pairs_device = pairs.to(device)
-            offsets_device = torch.tensor([0, pages], dtype=torch.int64, device=device)
-            # The scratch fill and the table upload ran on the current stream; the
-            # measurements run on the transfer streams.
-            torch.cuda.synchronize(device)
-            device_pages = (scratch.data_ptr() + torch.arange(pages) * page).tolist()
-            host_pages = (host_address + rows * page).tolist()
-            for direction in (TO_POOL, FROM_POOL):
-                stream = engine._streams[direction]
-                handle = int(stream.cuda_stream)
-                store = direction == TO_POOL
-                targets, sources = (
-                    (host_pages, device_pages) if store else (device_pages, host_pages)
-                )
-
-                run_triton = functools.partial(
-                    kernels.launch_copy,
-                    layout,
-                    pairs_device,
-                    offsets_device,
-                    host_address,
-                    kernels.Direction(direction),
-                )
-                run_dma = functools.partial(_dma_pages, api, targets, sources, page, handle)
-                triton_seconds = _time_on(stream, run_triton)
-                dma_seconds = _time_on(stream, run_dma)
-                winner = "dma" if dma_seconds < triton_seconds else "triton"
-                grid[direction][(page, wanted)] = winner
-                logger.debug(
-                    "calibration %s page %d x %d: triton %.1f us, dma %.1f us",
-                    _DIRECTION_NAMES[direction],
-                    page,
-                    pages,
-                    triton_seconds * 1e6,
-                    dma_seconds * 1e6,
-                )
-    return Crossover(grid=grid)
-
-
 def _release(streams: list[Any], pool: HostPool) -> None:
     for stream in streams:
         stream.synchronize()
     pool.close()
 
 
-def parse_crossover(configured: int | Mapping[str, int] | None) -> Crossover | None:
-    """A configured DMA/Triton threshold (page bytes), or None to measure it at start-up.
-
-    Checked on every device, so a bad setting fails where it is written, not only on
-    the CUDA machine that would use it.
-    """
-    if configured is None:
-        return None
-    if isinstance(configured, Mapping):
-        if set(configured) != {"store", "load"}:
-            raise ValueError(
-                f"crossover {dict(configured)!r} needs exactly the keys 'store' and 'load'"
-            )
-        values = {TO_POOL: configured["store"], FROM_POOL: configured["load"]}
-    else:
-        values = {TO_POOL: configured, FROM_POOL: configured}
-    for direction, value in values.items():
-        name = f"crossover[{_DIRECTION_NAMES[direction]!r}]"
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise TypeError(f"{name} must be an int of page bytes, got {value!r}")
-        if value < 0:
-            raise ValueError(f"{name} {value} must be >= 0 page bytes")
-    return Crossover(threshold={direction: int(v) for direction, v in values.items()})
+def _path_name(assignment: Assignment) -> str:
+    return "+".join(name for name, _ in assignment)
 
 
 class TransferEngine:
@@ -393,14 +153,17 @@ class TransferEngine:
         num_host_blocks: rows of the host pool (one chunk of one group per row).
         device: where the caches live; inferred from them when None.
         backend: "auto", "triton", "dma" or "torch".
-        pool: optional caller-provided pool, contiguous uint8 ``[num_host_blocks,
-            row_bytes]`` (pinned when CUDA is used); allocated when None.
+        pool: optional caller-provided pool, uint8 ``[num_host_blocks, row_bytes]``
+            with contiguous rows (``stride(1) == 1``) spaced ``stride(0) >= row_bytes``
+            bytes apart (pinned when CUDA is used); allocated when None.
         stream_priority: priority of the two transfer streams (CUDA).
         crossover: DMA/Triton switch for "auto" on CUDA: page bytes at or above
             which DMA is used, as an int or ``{"store": int, "load": int}``;
             measured at start-up when None.
         num_programs: grid size for the Triton kernel (default: the launcher's).
         pool_piece_bytes: size of each ``cudaHostRegister`` call for the pool.
+        path_choice: for "auto": ``"plane"`` (each plane by its own best copier) or
+            ``"job"`` (one copier per job, from the job's mean page size).
     """
 
     def __init__(
@@ -416,13 +179,20 @@ class TransferEngine:
         crossover: int | Mapping[str, int] | None = None,
         num_programs: int | None = None,
         pool_piece_bytes: int = DEFAULT_PIECE_BYTES,
+        path_choice: PathChoice = "plane",
     ) -> None:
         if backend not in _BACKENDS:
             raise ValueError(f"backend {backend!r} is not one of {_BACKENDS}")
+        if path_choice not in PATH_CHOICES:
+            raise ValueError(f"path_choice {path_choice!r} is not one of {PATH_CHOICES}")
         if isinstance(num_host_blocks, bool) or not isinstance(num_host_blocks, int):
             raise TypeError(f"num_host_blocks must be an int, got {num_host_blocks!r}")
         if num_host_blocks < 1:
             raise ValueError(f"num_host_blocks {num_host_blocks} must be >= 1")
+        if num_programs is not None and (
+            isinstance(num_programs, bool) or not isinstance(num_programs, int) or num_programs < 1
+        ):
+            raise ValueError(f"num_programs {num_programs!r} must be an int >= 1")
         configured_crossover = parse_crossover(crossover)
         num_groups = len(plan.groups)
         self.plan = plan
@@ -462,18 +232,9 @@ class TransferEngine:
         if backend == "auto":
             backend = "auto" if self.cuda else "torch"
         self.backend: str = backend
-        # The launcher's CopyLayout validates the geometry and its validate_pairs the
-        # pair tables of every backend, so all paths reject exactly the same jobs.
-        self._kernels: Any = self._import_kernels(backend)
-
-        self.copy_layout: Any = self._kernels.CopyLayout.build(
-            self.layout.geometries(),
-            num_groups=num_groups,
-            blocks_per_chunk=self.blocks_per_chunk,
-            pool_row_bytes=self.row_bytes,
-            pool_rows=num_host_blocks,
-            device=self.device,
-        )
+        if "triton" in _BACKEND_COPIERS[backend]:
+            # Checked before the pool is allocated: a refused backend costs nothing.
+            load_kernels(backend, self.cuda)
 
         # Registration and device pointers refer to the current device's context.
         with torch.cuda.device(self.device) if self.cuda else contextlib.nullcontext():
@@ -487,6 +248,8 @@ class TransferEngine:
                 )
         self.pool: torch.Tensor = self._pool.tensor
         self.pool_address: int = self._pool.device_address
+        #: Bytes between pool rows: the pool tensor's stride(0), >= row_bytes.
+        self.row_stride: int = self._pool.row_stride
 
         # Pages per block pair and bytes per block pair, per group: the job size is
         # O(pairs) to compute whatever the number of layers.
@@ -499,25 +262,32 @@ class TransferEngine:
         self._queues: dict[int, deque[_Job]] = {TO_POOL: deque(), FROM_POOL: deque()}
         self._finished: deque[_Job] = deque()  # CPU: completed in submit order
         self._closed = False
-        self.last_job_table: tuple[np.ndarray, np.ndarray] | None = None
+        self.last_job_table: PairTable | None = None
         self.last_job_backend: str | None = None
+        self.last_job_assignment: Assignment | None = None
 
         self._streams: dict[int, Any] = {}
-        self._staging = _StagingRing()
-        self._dma: Any = None
-        self.crossover: Crossover | None = None
         if self.cuda:
             self._streams = {
                 direction: torch.cuda.Stream(device=self.device, priority=stream_priority)
                 for direction in (TO_POOL, FROM_POOL)
             }
-            if backend in ("dma", "auto"):
-                self._dma = DmaCopier(self.layout, self._pool.device_address, self.row_bytes)
-            if backend == "auto":
-                self.crossover = configured_crossover
-                if self.crossover is None:
-                    with torch.cuda.device(self.device):
-                        self.crossover = calibrate(self)
+        self.copiers: dict[str, Copier] = {
+            name: self._make_copier(name) for name in _BACKEND_COPIERS[backend]
+        }
+        self.crossover: Crossover | None = None
+        self.policy: PathPolicy
+        if backend == "auto":
+            self.crossover = configured_crossover
+            if self.crossover is None:
+                # Calibration runs real jobs; until it has a result every job takes
+                # the path its forced assignment names.
+                self.policy = FixedPath("triton")
+                with torch.cuda.device(self.device):
+                    self.crossover = calibrate(self)
+            self.policy = CrossoverPath(self.layout, self.crossover, path_choice)
+        else:
+            self.policy = FixedPath(backend)
         if self.cuda:
             # The static tables were uploaded on the current stream; jobs run on the
             # transfer streams and may be submitted from any stream.
@@ -528,100 +298,30 @@ class TransferEngine:
 
     # ------------------------------------------------------------------ set-up
 
-    def _import_kernels(self, backend: str) -> Any:
-        if backend == "triton" and not self.cuda and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError(
-                "backend 'triton' on CPU tensors needs the Triton interpreter: set "
-                "TRITON_INTERPRET=1 in the environment before triton_offload.kernels is "
-                "imported (or use backend='torch')"
+    def _make_copier(self, name: str) -> Copier:
+        layout, address, stride = self.layout, self.pool_address, self.row_stride
+        if name == "torch":
+            return HostCopier(layout, address, stride)
+        if name == "dma":
+            return DmaCopier(layout, address, stride, cuda_api())
+        with torch.cuda.device(self.device) if self.cuda else contextlib.nullcontext():
+            return TritonCopier(
+                layout,
+                address,
+                stride,
+                device=self.device,
+                cuda=self.cuda,
+                num_programs=self.num_programs,
             )
-        from triton_offload.kernels import copy_blocks
-
-        if backend == "triton" and not self.cuda and not copy_blocks._INTERPRETED:
-            raise ValueError(
-                "backend 'triton' on CPU tensors needs the Triton interpreter, but "
-                "triton_offload.kernels.copy_blocks was imported before "
-                "TRITON_INTERPRET=1 was set; set it before the first import"
-            )
-        if backend in ("triton", "auto") and self.cuda and copy_blocks._INTERPRETED:
-            # The interpreter runs the kernel on the host: the device addresses in the
-            # tables would be dereferenced there.
-            raise ValueError(
-                f"backend {backend!r} on CUDA caches needs the compiled kernel, but "
-                "TRITON_INTERPRET=1 was set when triton_offload.kernels was imported; "
-                "unset it (or use backend='dma')"
-            )
-        return copy_blocks
 
     # --------------------------------------------------------------- job table
 
-    def _per_group(self, values: Any, what: str) -> Any:
-        if isinstance(values, (str, bytes)) or not isinstance(values, (Sequence, np.ndarray)):
-            raise ValueError(f"{what} must be a sequence with one entry per group, got {values!r}")
-        if len(values) != self.num_groups:
-            raise ValueError(
-                f"{what} has {len(values)} groups but the engine has {self.num_groups}"
-            )
-        return values
-
-    def build_job_table(
-        self,
-        gpu_blocks: Sequence[Any],
-        host_blocks: Sequence[Any],
-        first_block_index: Sequence[int] | None,
-        direction: int,
-    ) -> tuple[np.ndarray, np.ndarray]:
+    def build_job_table(self, spec: JobSpec, direction: int) -> PairTable:
         """Validate a job and return its ``(pairs [n, 3], group_offsets [G + 1])`` int64.
 
-        Raises ValueError naming the bad value; nothing is copied.
+        Raises ValueError/TypeError naming the bad value; nothing is copied.
         """
-        gpu_blocks = self._per_group(gpu_blocks, "gpu_blocks")
-        host_blocks = self._per_group(host_blocks, "host_blocks")
-        if first_block_index is not None:
-            first_block_index = self._per_group(first_block_index, "first_block_index")
-        bpc = self.blocks_per_chunk
-        tables: list[np.ndarray] = []
-        offsets = np.zeros(self.num_groups + 1, dtype=np.int64)
-        for group in range(self.num_groups):
-            blocks = _as_ids(gpu_blocks[group], f"gpu_blocks[{group}]")
-            hosts = _as_ids(host_blocks[group], f"host_blocks[{group}]")
-            first = 0
-            if first_block_index is not None:
-                value = first_block_index[group]
-                if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                    raise ValueError(f"first_block_index[{group}] {value!r} is not an int")
-                first = int(value)
-                if first < 0:
-                    raise ValueError(f"first_block_index[{group}] {first} is negative")
-            limit = self.layout.group_num_blocks[group]
-            bad = _first_bad(blocks, limit)
-            if bad is not None:
-                raise ValueError(f"GPU block id {bad} of group {group} out of range [0, {limit})")
-            bad = _first_bad(hosts, self.num_host_blocks)
-            if bad is not None:
-                raise ValueError(
-                    f"host block id {bad} of group {group} out of range [0, {self.num_host_blocks})"
-                )
-            positions = (first % bpc) + np.arange(blocks.size, dtype=np.int64)
-            if blocks.size and positions[-1] // bpc >= hosts.size:
-                raise ValueError(
-                    f"group {group}: {blocks.size} GPU blocks starting at slot {first % bpc} "
-                    f"need {int(positions[-1] // bpc) + 1} host chunks of {bpc} blocks, but "
-                    f"{hosts.size} host blocks were given"
-                )
-            table = np.empty((blocks.size, 3), dtype=np.int64)
-            table[:, 0] = blocks
-            table[:, 1] = hosts[positions // bpc]
-            table[:, 2] = positions % bpc
-            tables.append(table)
-            offsets[group + 1] = offsets[group] + blocks.size
-        pairs = np.concatenate(tables) if tables else np.zeros((0, 3), dtype=np.int64)
-        # Two pairs writing one destination page (also across groups sharing a pool
-        # row or aliasing cache memory) are rejected here.
-        self._kernels.validate_pairs(
-            self.copy_layout, pairs, offsets, self._kernels.Direction(direction)
-        )
-        return pairs, offsets
+        return pair_table(self.layout, self.num_host_blocks, spec, direction)
 
     def _job_size(self, offsets: np.ndarray) -> tuple[int, int]:
         """(bytes moved, pages moved) for a job with these group offsets."""
@@ -636,30 +336,52 @@ class TransferEngine:
     def submit_store(
         self,
         job_id: Hashable,
-        gpu_blocks: Sequence[Any],
-        host_blocks: Sequence[Any],
+        spec: JobSpec | None = None,
+        *,
+        gpu_blocks: Sequence[Any] | None = None,
+        host_blocks: Sequence[Any] | None = None,
         first_block_index: Sequence[int] | None = None,
     ) -> bool:
-        """Copy GPU blocks into host chunks; returns False once the engine is shut down."""
-        return self._submit(job_id, gpu_blocks, host_blocks, first_block_index, TO_POOL)
+        """Copy GPU blocks into host rows; returns False once the engine is shut down.
+
+        The job is a ``JobSpec`` or the keyword lists ``gpu_blocks=``, ``host_blocks=``
+        (and optionally ``first_block_index=``), one entry per group.
+        """
+        spec = JobSpec.of(
+            spec,
+            gpu_blocks=gpu_blocks,
+            host_blocks=host_blocks,
+            first_block_index=first_block_index,
+        )
+        return self._submit(job_id, spec, TO_POOL)
 
     def submit_load(
         self,
         job_id: Hashable,
-        host_blocks: Sequence[Any],
-        gpu_blocks: Sequence[Any],
+        spec: JobSpec | None = None,
+        *,
+        gpu_blocks: Sequence[Any] | None = None,
+        host_blocks: Sequence[Any] | None = None,
         first_block_index: Sequence[int] | None = None,
     ) -> bool:
-        """Copy host chunks into GPU blocks; returns False once the engine is shut down."""
-        return self._submit(job_id, gpu_blocks, host_blocks, first_block_index, FROM_POOL)
+        """Copy host rows into GPU blocks; returns False once the engine is shut down.
+
+        The job as for :meth:`submit_store`.
+        """
+        spec = JobSpec.of(
+            spec,
+            gpu_blocks=gpu_blocks,
+            host_blocks=host_blocks,
+            first_block_index=first_block_index,
+        )
+        return self._submit(job_id, spec, FROM_POOL)
 
     def _submit(
         self,
         job_id: Hashable,
-        gpu_blocks: Sequence[Any],
-        host_blocks: Sequence[Any],
-        first_block_index: Sequence[int] | None,
+        spec: JobSpec,
         direction: int,
+        assignment: Assignment | None = None,
     ) -> bool:
         if self._closed:
             return False
@@ -669,50 +391,41 @@ class TransferEngine:
             raise ValueError(f"job id {job_id!r} is not hashable") from None
         if job_id in self._active:
             raise ValueError(f"job id {job_id!r} is already in flight")
-        pairs, offsets = self.build_job_table(gpu_blocks, host_blocks, first_block_index, direction)
-        size, pages = self._job_size(offsets)
-        backend = self.backend
-        if backend == "auto":
-            assert self.crossover is not None
-            backend = self.crossover.choose(direction, size / max(pages, 1), pages)
-        self.last_job_table = (pairs, offsets)
-        self.last_job_backend = backend
-        job = _Job(job_id, direction, backend, size)
+        table = self.build_job_table(spec, direction)
+        size, _pages = self._job_size(table.offsets)
+        if assignment is None:
+            assignment = self.policy.assign(direction, np.diff(table.offsets))
+        self.last_job_table = table
+        self.last_job_assignment = assignment
+        self.last_job_backend = _path_name(assignment)
+        job = _Job(job_id, direction, assignment, size)
         self._active[job_id] = job
         if self.cuda:
             self._queues[direction].append(job)
-            self._run_cuda(job, pairs, offsets)
+            self._run_cuda(job, table)
         else:
             self._finished.append(job)
-            self._run_cpu(job, pairs, offsets)
+            self._run_cpu(job, table)
         return True
 
-    def _run_cpu(self, job: _Job, pairs: np.ndarray, offsets: np.ndarray) -> None:
-        start = time.perf_counter()
+    def _prepare(self, job: _Job, table: PairTable, stream: Any) -> list[Callable[[], None]]:
+        return [
+            self.copiers[name].prepare(table, job.direction, planes, job.holds, stream)
+            for name, planes in job.assignment
+        ]
+
+    def _run_cpu(self, job: _Job, table: PairTable) -> None:
         try:
-            if job.backend == "torch":
-                cpu_copy.copy_pages(
-                    self.layout, self.pool_address, self.row_bytes, pairs, offsets, job.direction
-                )
-            else:
-                self._launch_triton(torch.from_numpy(pairs), torch.from_numpy(offsets), job)
+            runs = self._prepare(job, table, None)
+            start = time.perf_counter()
+            for run in runs:
+                run()
+            job.transfer_time = time.perf_counter() - start
         except Exception:
-            logger.exception("%s job %r failed", _DIRECTION_NAMES[job.direction], job.job_id)
+            logger.exception("%s job %r failed", DIRECTION_NAMES[job.direction], job.job_id)
             job.success = False
-        job.transfer_time = time.perf_counter() - start
 
-    def _launch_triton(self, pairs: torch.Tensor, offsets: torch.Tensor, job: _Job) -> None:
-        kwargs = {} if self.num_programs is None else {"num_programs": self.num_programs}
-        self._kernels.launch_copy(
-            self.copy_layout,
-            pairs,
-            offsets,
-            self.pool_address,
-            self._kernels.Direction(job.direction),
-            **kwargs,
-        )
-
-    def _run_cuda(self, job: _Job, pairs: np.ndarray, offsets: np.ndarray) -> None:
+    def _run_cuda(self, job: _Job, table: PairTable) -> None:
         stream = self._streams[job.direction]
         # RAW for stores, WAR for loads: wait for everything the caller's stream
         # enqueued before this submit.
@@ -720,31 +433,38 @@ class TransferEngine:
         ready.record(torch.cuda.current_stream(self.device))
         job.start = torch.cuda.Event(enable_timing=True)
         job.end = torch.cuda.Event(enable_timing=True)
-        staging_index: int | None = None
         try:
             with torch.cuda.device(self.device), torch.cuda.stream(stream):
                 stream.wait_event(ready)
+                runs = self._prepare(job, table, stream)
+                # After the host work and the table upload: the timed span is the copy.
                 job.start.record(stream)
-                if job.backend == "triton":
-                    n = pairs.shape[0]
-                    staging_index, staged = self._staging.acquire(3 * n + offsets.size)
-                    staged[: 3 * n].numpy()[:] = pairs.reshape(-1)
-                    staged[3 * n :].numpy()[:] = offsets
-                    table = torch.empty(staged.numel(), dtype=torch.int64, device=self.device)
-                    table.copy_(staged, non_blocking=True)
-                    job.keep_alive.append(table)
-                    self._launch_triton(table[: 3 * n].view(n, 3), table[3 * n :], job)
-                else:
-                    self._dma.copy(pairs, offsets, job.direction, stream)
+                for run in runs:
+                    run()
                 job.end.record(stream)
         except Exception:
-            logger.exception("%s job %r failed", _DIRECTION_NAMES[job.direction], job.job_id)
+            logger.exception("%s job %r failed", DIRECTION_NAMES[job.direction], job.job_id)
             job.success = False
             # Whatever was enqueued still runs; the job counts as finished after it.
             job.end.record(stream)
         finally:
-            if staging_index is not None:
-                self._staging.release_after(staging_index, job.end)
+            job.holds.release_after(job.end)
+
+    def _run_now(self, spec: JobSpec, direction: int, assignment: Assignment) -> TransferResult:
+        """Run one job with a forced assignment and wait for it (calibration); not reported."""
+        job_id = ("calibration", object())
+        self._submit(job_id, spec, direction, assignment)
+        job = self._active.pop(job_id)
+        if self.cuda:
+            job.end.synchronize()
+            self._queues[direction].remove(job)
+        else:
+            self._finished.remove(job)
+        job.holds.keep_alive.clear()
+        result = job.result()
+        if not result.success:
+            raise RuntimeError(f"calibration {DIRECTION_NAMES[direction]} job failed")
+        return result
 
     # ------------------------------------------------------------------ finish
 
@@ -761,7 +481,7 @@ class TransferEngine:
         results = []
         for job in done:
             del self._active[job.job_id]
-            job.keep_alive.clear()
+            job.holds.keep_alive.clear()
             results.append(job.result())
         return results
 
@@ -798,12 +518,13 @@ class TransferEngine:
     @property
     def last_job_table_size(self) -> int:
         """Rows of the pair table of the last accepted job (one per block pair)."""
-        return 0 if self.last_job_table is None else int(self.last_job_table[0].shape[0])
+        return 0 if self.last_job_table is None else int(self.last_job_table.pairs.shape[0])
 
 
 __all__ = [
     "Crossover",
     "DmaCopier",
+    "JobSpec",
     "TransferEngine",
     "TransferResult",
     "calibrate",

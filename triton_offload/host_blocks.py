@@ -30,13 +30,13 @@ Typical serving loop (one manager per scheduler, shared by every rank's engine):
     hit = plan.lookup(num_tokens, 0, present)
     lo, top = plan.groups[g].needed_chunks(hit)              # the chunks the hit reads
     handle = manager.prepare_load(keys[g][lo:top], g)        # pins the rows
-    engine.submit_load(job, [handle.rows, ...], gpu_blocks, first_block_index)
+    engine.submit_load(job, JobSpec(gpu_blocks, [handle.rows, ...], first_block_index))
     ... wait ...
     manager.complete_load(handle)                            # unpins
 
     chunks = plan.store_reachable_chunks(g, plan.storable_chunk_count(g, num_tokens))
     handle = manager.prepare_store([keys[g][i] for i in chunks], g)  # None: pool full
-    engine.submit_store(job, gpu_blocks, [handle.rows, ...], first_block_index)
+    engine.submit_store(job, JobSpec(gpu_blocks, [handle.rows, ...], first_block_index))
     ... wait ...
     manager.complete_store(handle, success=result.success)
 

@@ -12,21 +12,24 @@ page_bytes_p``. Every plane start is rounded up to 16 bytes so that a plane whos
 pages are 16-byte multiples keeps 16-byte aligned pages in the pool (the kernels use
 16-byte accesses only where both sides allow them).
 
-This module imports no Triton: the geometry is converted to the kernel's
-``PlaneGeometry`` only on request (:meth:`Plane.geometry`). ``TransferEngine`` asks
-for it on every backend, so that the launcher's checks validate every job alike.
+A caller's pool may space its rows wider than ``row_bytes`` (a worker's part of a
+shared region): the *row stride* (bytes between rows) is the pool tensor's
+``stride(0)``; ``row_bytes`` only sizes what one row holds.
+
+:class:`Plane` is the project's one plane geometry type: the engine, the copiers,
+validation and the kernel tables all read it. Validation of a geometry given as bare
+planes (``CacheLayout.from_planes``) lives here too; this module imports no Triton.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
+import numpy as np
 import torch
-
-if TYPE_CHECKING:
-    from triton_offload.kernels.copy_blocks import PlaneGeometry
 
 #: A layer of a cache group: one tensor (one plane) or a tuple of tensors (several planes).
 Layer = torch.Tensor | tuple[torch.Tensor, ...] | list[torch.Tensor]
@@ -34,47 +37,96 @@ Layer = torch.Tensor | tuple[torch.Tensor, ...] | list[torch.Tensor]
 #: Byte alignment of every plane start and of the row length in the pool.
 POOL_ALIGNMENT = 16
 
+_INT64_MAX = (1 << 63) - 1
+
 
 def _round_up(value: int, multiple: int) -> int:
     return (value + multiple - 1) // multiple * multiple
 
 
+def check_int(name: str, value: object, minimum: int) -> int:
+    """``value`` as an int >= ``minimum``; TypeError/ValueError naming ``name`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} {value} must be >= {minimum}")
+    return int(value)
+
+
 @dataclass(frozen=True)
 class Plane:
-    """One contiguous-per-block byte region of a cache tensor.
+    """One contiguous-per-block byte region of a cache tensor, and its slots in a pool row.
 
-    ``group``/``layer``/``index`` say where the plane came from (``index`` is the
-    position inside a tuple layer, 0 for a plain tensor). Addresses and sizes are in
-    bytes. ``view`` is a uint8 ``[num_blocks, page_bytes]`` strided view of the same
-    memory (row ``b`` = the page of block ``b``), used by the CPU path and by tests.
+    All sizes in bytes. ``base_address`` is the device-visible address of block 0
+    (``tensor.data_ptr()``); block ``b`` starts at ``base_address + b * block_stride`` and
+    its first ``page_bytes`` bytes are copied. Slot ``s`` of this plane in a pool row
+    starts ``pool_offset + s * page_bytes`` bytes into the row.
+
+    ``layer``/``index`` say where the plane came from (``index`` is the position inside a
+    tuple layer, 0 for a plain tensor). ``view``, when known, is a uint8 ``[num_blocks,
+    page_bytes]`` strided view of the same memory (row ``b`` = the page of block ``b``),
+    used by the CPU path and by tests; it takes no part in comparisons.
     """
 
     group: int
-    layer: int
-    index: int
     base_address: int
     block_stride: int
     page_bytes: int
     num_blocks: int
     pool_offset: int
-    view: torch.Tensor
+    layer: int = 0
+    index: int = 0
+    view: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     @property
     def name(self) -> str:
         return f"group {self.group} layer {self.layer} plane {self.index}"
 
-    def geometry(self) -> PlaneGeometry:
-        """The kernel's static description of this plane (imports the kernels)."""
-        from triton_offload.kernels.copy_blocks import PlaneGeometry
+    @classmethod
+    def of_view(cls, view: torch.Tensor, *, group: int, pool_offset: int) -> Plane:
+        """Geometry of a uint8 ``[num_blocks, page_bytes]`` view with a contiguous last dim.
 
-        return PlaneGeometry(
-            group=self.group,
-            base_address=self.base_address,
-            block_stride=self.block_stride,
-            page_bytes=self.page_bytes,
-            num_blocks=self.num_blocks,
-            pool_offset=self.pool_offset,
+        Raises ValueError when the page does not fit the tensor (non-contiguous page, a
+        block stride smaller than the page, so that blocks would overlap).
+        """
+        if not isinstance(view, torch.Tensor):
+            raise TypeError(f"plane view must be a torch.Tensor, got {type(view).__name__}")
+        if view.dtype != torch.uint8 or view.dim() != 2:
+            raise ValueError(
+                f"plane view must be uint8 [num_blocks, page_bytes], got {view.dtype} "
+                f"{tuple(view.shape)}"
+            )
+        num_blocks, page_bytes = view.shape
+        if page_bytes > 1 and view.stride(1) != 1:
+            raise ValueError(f"plane view page is not contiguous: stride {view.stride()}")
+        if num_blocks > 1 and view.stride(0) < page_bytes:
+            raise ValueError(
+                f"plane view block stride {view.stride(0)} bytes is smaller than its page "
+                f"of {page_bytes} bytes: blocks would overlap"
+            )
+        stride = view.stride(0) if num_blocks > 1 else max(view.stride(0), page_bytes)
+        return cls(
+            group=group,
+            base_address=view.data_ptr(),
+            block_stride=stride,
+            page_bytes=page_bytes,
+            num_blocks=num_blocks,
+            pool_offset=pool_offset,
+            view=view,
         )
+
+
+def planes_overlap(a: Plane, b: Plane) -> bool:
+    """Whether some page of plane ``a`` shares a byte with some page of plane ``b``."""
+    a_end = a.base_address + (a.num_blocks - 1) * a.block_stride + a.page_bytes
+    b_end = b.base_address + (b.num_blocks - 1) * b.block_stride + b.page_bytes
+    if a_end <= b.base_address or b_end <= a.base_address:
+        return False
+    if a.block_stride != b.block_stride or a.num_blocks == 1 or b.num_blocks == 1:
+        return True  # conservative: interleaved planes of different strides count as aliasing
+    # Equal strides: pages repeat with the same period; compare one period.
+    shift = (b.base_address - a.base_address) % a.block_stride
+    return shift < a.page_bytes or shift > a.block_stride - b.page_bytes
 
 
 @dataclass(frozen=True)
@@ -82,9 +134,13 @@ class CacheLayout:
     """All planes of all groups, ordered by group, plus the pool row geometry.
 
     ``group_row_bytes[g]`` is the number of bytes a row of group ``g`` uses;
-    ``row_bytes`` (the pool row length) is their maximum rounded up to 16.
-    ``bytes_per_block[g]`` is the number of bytes one GPU block of group ``g`` moves
-    (the sum of the page bytes of g's planes).
+    ``row_bytes`` (what one pool row holds) is at least their maximum (rounded up to
+    16 by :func:`build_layout`). ``bytes_per_block[g]`` is the number of bytes one GPU
+    block of group ``g`` moves (the sum of the page bytes of g's planes). Groups may
+    alias the same cache memory (hybrid allocators share tensors across groups): the
+    same block id in two groups of ``cache_alias_groups`` names the same bytes, and
+    two groups of ``pool_shared_groups`` use the same bytes of a row. The layout
+    stores addresses only: the caller keeps the cache tensors alive while it is used.
     """
 
     planes: tuple[Plane, ...]
@@ -96,9 +152,114 @@ class CacheLayout:
     bytes_per_block: tuple[int, ...]
     row_bytes: int
     device: torch.device
+    cache_alias_groups: tuple[tuple[int, int], ...] = ()
+    pool_shared_groups: tuple[tuple[int, int], ...] = ()
 
-    def geometries(self) -> list[PlaneGeometry]:
-        return [plane.geometry() for plane in self.planes]
+    @classmethod
+    def from_planes(
+        cls,
+        planes: Sequence[Plane],
+        *,
+        num_groups: int,
+        blocks_per_chunk: int,
+        row_bytes: int,
+        device: torch.device | str,
+    ) -> CacheLayout:
+        """Validate bare plane geometry (ordered by group); ValueError naming the bad field.
+
+        Slots of one group's planes must not share row bytes and must fit in
+        ``row_bytes``; addresses must fit in int64. A group may have no plane (its jobs
+        then move nothing).
+        """
+        num_groups = check_int("num_groups", num_groups, 1)
+        blocks_per_chunk = check_int("blocks_per_chunk", blocks_per_chunk, 1)
+        row_bytes = check_int("row_bytes", row_bytes, 1)
+        planes = tuple(planes)
+        previous_group = 0
+        for index, plane in enumerate(planes):
+            if not isinstance(plane, Plane):
+                raise TypeError(f"plane {index} must be a Plane, got {plane!r}")
+            what = f"plane {index}"
+            group = check_int(f"{what} group", plane.group, 0)
+            if group >= num_groups:
+                raise ValueError(f"{what} group {group} out of range [0, {num_groups})")
+            if group < previous_group:
+                raise ValueError(
+                    f"{what} group {group} follows group {previous_group}: planes must be "
+                    "ordered by group"
+                )
+            previous_group = group
+            check_int(f"{what} base_address", plane.base_address, 1)
+            page = check_int(f"{what} page_bytes", plane.page_bytes, 1)
+            num_blocks = check_int(f"{what} num_blocks", plane.num_blocks, 1)
+            stride = check_int(f"{what} block_stride", plane.block_stride, 1)
+            offset = check_int(f"{what} pool_offset", plane.pool_offset, 0)
+            if num_blocks > 1 and stride < page:
+                raise ValueError(
+                    f"{what} block_stride {stride} is smaller than page_bytes {page}: "
+                    "blocks would overlap"
+                )
+            if plane.base_address + (num_blocks - 1) * stride + page > _INT64_MAX:
+                raise ValueError(f"{what} address range overflows int64")
+            if offset + blocks_per_chunk * page > row_bytes:
+                raise ValueError(
+                    f"{what} pool_offset {offset} + {blocks_per_chunk} slots x {page} bytes "
+                    f"exceeds row_bytes {row_bytes}"
+                )
+        group_planes = tuple(
+            tuple(i for i, p in enumerate(planes) if p.group == g) for g in range(num_groups)
+        )
+        for group, members in enumerate(group_planes):
+            # Planes of one group must not share bytes of a pool row (a store would clobber).
+            spans = sorted(
+                (
+                    planes[i].pool_offset,
+                    planes[i].pool_offset + blocks_per_chunk * planes[i].page_bytes,
+                    i,
+                )
+                for i in members
+            )
+            for (_, end, i), (start, _, j) in itertools.pairwise(spans):
+                if start < end:
+                    raise ValueError(
+                        f"plane {j} pool_offset {start} overlaps plane {i}'s slots "
+                        f"(ending at byte {end}) in the rows of group {group}"
+                    )
+        cache_alias: set[tuple[int, int]] = set()
+        pool_shared: set[tuple[int, int]] = set()
+        for i, a in enumerate(planes):
+            for b in planes[i + 1 :]:
+                if a.group == b.group:
+                    continue
+                pair = (min(a.group, b.group), max(a.group, b.group))
+                if planes_overlap(a, b):
+                    cache_alias.add(pair)
+                a_end = a.pool_offset + blocks_per_chunk * a.page_bytes
+                b_end = b.pool_offset + blocks_per_chunk * b.page_bytes
+                if a.pool_offset < b_end and b.pool_offset < a_end:
+                    pool_shared.add(pair)
+        return cls(
+            planes=planes,
+            num_groups=num_groups,
+            blocks_per_chunk=blocks_per_chunk,
+            # A group without planes (possible only from bare planes) has no block limit.
+            group_num_blocks=tuple(
+                min((planes[i].num_blocks for i in m), default=_INT64_MAX) for m in group_planes
+            ),
+            group_planes=group_planes,
+            group_row_bytes=tuple(
+                max(
+                    (planes[i].pool_offset + blocks_per_chunk * planes[i].page_bytes for i in m),
+                    default=0,
+                )
+                for m in group_planes
+            ),
+            bytes_per_block=tuple(sum(planes[i].page_bytes for i in m) for m in group_planes),
+            row_bytes=row_bytes,
+            device=torch.device(device),
+            cache_alias_groups=tuple(sorted(cache_alias)),
+            pool_shared_groups=tuple(sorted(pool_shared)),
+        )
 
 
 def _plane_tensors(layer: Any, group: int, layer_index: int) -> list[torch.Tensor]:
@@ -175,10 +336,7 @@ def build_layout(
     if blocks_per_chunk < 1:
         raise ValueError(f"blocks_per_chunk {blocks_per_chunk} must be >= 1")
     planes: list[Plane] = []
-    group_num_blocks: list[int] = []
-    group_planes: list[tuple[int, ...]] = []
     group_row_bytes: list[int] = []
-    bytes_per_block: list[int] = []
     device: torch.device | None = None
     first_name = ""
     for group, layers in enumerate(caches):
@@ -190,8 +348,6 @@ def build_layout(
             raise ValueError(f"group {group} has no layers")
         num_blocks: int | None = None
         offset = 0
-        indices: list[int] = []
-        group_bytes = 0
         for layer_index, layer in enumerate(layers):
             for index, tensor in enumerate(_plane_tensors(layer, group, layer_index)):
                 name = f"group {group} layer {layer_index} plane {index}"
@@ -218,7 +374,6 @@ def build_layout(
                         f"{page_bytes} bytes of a block; blocks would overlap"
                     )
                 offset = _round_up(offset, POOL_ALIGNMENT)
-                indices.append(len(planes))
                 planes.append(
                     Plane(
                         group=group,
@@ -233,23 +388,14 @@ def build_layout(
                     )
                 )
                 offset += blocks_per_chunk * page_bytes
-                group_bytes += page_bytes
         assert num_blocks is not None
-        group_num_blocks.append(num_blocks)
-        group_planes.append(tuple(indices))
         group_row_bytes.append(offset)
-        bytes_per_block.append(group_bytes)
     assert device is not None
-    row_bytes = _round_up(max(group_row_bytes), POOL_ALIGNMENT)
-    return CacheLayout(
-        planes=tuple(planes),
+    return CacheLayout.from_planes(
+        planes,
         num_groups=num_groups,
         blocks_per_chunk=blocks_per_chunk,
-        group_num_blocks=tuple(group_num_blocks),
-        group_planes=tuple(group_planes),
-        group_row_bytes=tuple(group_row_bytes),
-        bytes_per_block=tuple(bytes_per_block),
-        row_bytes=row_bytes,
+        row_bytes=_round_up(max(group_row_bytes), POOL_ALIGNMENT),
         device=device,
     )
 
@@ -271,5 +417,7 @@ __all__ = [
     "Plane",
     "build_layout",
     "byte_view",
+    "check_int",
+    "planes_overlap",
     "pool_plane_view",
 ]

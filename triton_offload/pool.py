@@ -192,7 +192,7 @@ def device_address_of_pinned(tensor: torch.Tensor) -> int:
 
 @dataclass
 class HostPool:
-    """The host pool: ``tensor`` is uint8 ``[rows, row_bytes]``.
+    """The host pool: ``tensor`` is uint8 ``[rows, row_bytes]``, rows ``row_stride`` apart.
 
     ``device_address`` is the address kernels use for row 0 (equal to the host
     address without CUDA). ``pinned`` says whether the memory is page-locked;
@@ -214,6 +214,11 @@ class HostPool:
     @property
     def row_bytes(self) -> int:
         return self.tensor.size(1)
+
+    @property
+    def row_stride(self) -> int:
+        """Bytes between the starts of consecutive rows (>= ``row_bytes``)."""
+        return row_stride_of(self.tensor)
 
     def close(self) -> None:
         """Unregister the pages this pool locked (idempotent)."""
@@ -316,19 +321,36 @@ def _torch_pinned_pool(rows: int, row_bytes: int, why: Exception) -> HostPool:
     return HostPool(tensor, device_address_of_pinned(tensor), pinned=True, locked_by="pin_memory")
 
 
-def wrap_pool(tensor: torch.Tensor, *, rows: int, row_bytes: int, cuda: bool) -> HostPool:
-    """Use a caller-provided pool tensor: contiguous uint8 ``[rows, row_bytes]``.
+def row_stride_of(tensor: torch.Tensor) -> int:
+    """Row stride in bytes of a 2-D uint8 pool tensor (its row length when it has one row)."""
+    return int(tensor.stride(0)) if tensor.size(0) > 1 else int(tensor.size(1))
 
-    With CUDA, a CPU pool must be page-locked (pageable memory can be neither reached
-    by the kernels nor copied asynchronously); a pool in device memory is used as is.
+
+def wrap_pool(tensor: torch.Tensor, *, rows: int, row_bytes: int, cuda: bool) -> HostPool:
+    """Use a caller-provided pool tensor: uint8 ``[rows, row_bytes]`` with contiguous rows.
+
+    Rows may be spaced wider than ``row_bytes`` (``stride(0) >= row_bytes``, e.g. one
+    worker's part of a shared region whose chunk ``k`` sits at ``base + k * stride``);
+    the bytes between rows are never touched. With CUDA, a CPU pool must be page-locked
+    (pageable memory can be neither reached by the kernels nor copied asynchronously);
+    a pool in device memory is used as is.
     """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"pool must be a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dtype != torch.uint8 or tuple(tensor.shape) != (rows, row_bytes):
         raise ValueError(
             f"pool must be a uint8 tensor of shape {(rows, row_bytes)}, got dtype "
             f"{tensor.dtype} with shape {tuple(tensor.shape)}"
         )
-    if not tensor.is_contiguous():
-        raise ValueError(f"pool strides {tensor.stride()} are not contiguous")
+    if row_bytes > 1 and tensor.stride(1) != 1:
+        raise ValueError(
+            f"pool rows must be contiguous (stride(1) == 1), got strides {tensor.stride()}"
+        )
+    if rows > 1 and tensor.stride(0) < row_bytes:
+        raise ValueError(
+            f"pool row stride {tensor.stride(0)} bytes is smaller than the {row_bytes} bytes "
+            "of a row: rows would overlap"
+        )
     if tensor.device.type == "cpu" and cuda:
         if not tensor.is_pinned():
             raise ValueError(
@@ -348,5 +370,6 @@ __all__ = [
     "allocate_pool",
     "cuda_api",
     "device_address_of_pinned",
+    "row_stride_of",
     "wrap_pool",
 ]

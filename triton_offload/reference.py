@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
-from triton_offload.kernels.copy_blocks import CopyLayout, Direction
-from triton_offload.layout import byte_view
+from triton_offload.jobs import Direction
+from triton_offload.layout import CacheLayout, byte_view
 
 __all__ = ["byte_plane", "reference_copy"]
 
@@ -43,7 +43,7 @@ def byte_plane(tensor: torch.Tensor, page_bytes: int | None = None) -> torch.Ten
 
 def reference_copy(
     plane_views: Sequence[torch.Tensor],
-    layout: CopyLayout,
+    layout: CacheLayout,
     pairs: torch.Tensor,
     group_offsets: torch.Tensor,
     pool: torch.Tensor,
@@ -52,9 +52,10 @@ def reference_copy(
     """Copy like the kernel does, one page at a time.
 
     ``plane_views[i]`` is the uint8 ``[num_blocks, page_bytes]`` view of
-    ``layout.planes[i]``; ``pool`` is a contiguous tensor of at least
-    ``pool_rows * pool_row_bytes`` bytes; ``pairs`` / ``group_offsets`` as in
-    :func:`triton_offload.kernels.copy_blocks.validate_pairs` (not re-checked here).
+    ``layout.planes[i]``; ``pool`` is a uint8 ``[rows, >= layout.row_bytes]`` tensor
+    (its rows may be spaced wider: row ``r`` is ``pool[r]`` whatever the stride);
+    ``pairs`` / ``group_offsets`` as in :func:`triton_offload.jobs.validate_pairs` (not
+    re-checked here).
     """
     direction = Direction(direction)
     if len(plane_views) != len(layout.planes):
@@ -65,9 +66,11 @@ def reference_copy(
                 f"plane view {index} is {view.dtype} {tuple(view.shape)}, expected uint8 "
                 f"({plane.num_blocks}, {plane.page_bytes})"
             )
-    if not pool.is_contiguous():
-        raise ValueError("pool must be contiguous")
-    pool_bytes = pool.reshape(-1).view(torch.uint8)
+    if pool.dtype != torch.uint8 or pool.dim() != 2 or pool.size(1) < layout.row_bytes:
+        raise ValueError(
+            f"pool must be uint8 [rows, >= {layout.row_bytes}], got {pool.dtype} "
+            f"{tuple(pool.shape)}"
+        )
     table = pairs.tolist()
     offsets = [int(x) for x in group_offsets.tolist()]
     for group in range(layout.num_groups):
@@ -75,8 +78,8 @@ def reference_copy(
         for gpu_block, row, slot in table[offsets[group] : offsets[group + 1]]:
             for i in planes:
                 plane = layout.planes[i]
-                start = row * layout.pool_row_bytes + plane.pool_offset + slot * plane.page_bytes
-                pool_page = pool_bytes[start : start + plane.page_bytes]
+                start = plane.pool_offset + slot * plane.page_bytes
+                pool_page = pool[row, start : start + plane.page_bytes]
                 cache_page = plane_views[i][gpu_block]
                 if direction == Direction.TO_POOL:
                     pool_page.copy_(cache_page)

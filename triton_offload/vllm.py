@@ -326,8 +326,8 @@ def _row_bytes_view(tensor: Any, name: str) -> Any:
 
 def split_job(
     gpu_spec: Any, host_spec: Any, num_groups: int, blocks_per_chunk: int, what: str
-) -> tuple[list[Any], list[Any], list[int]]:
-    """Per-group (GPU block ids, host chunk ids, first block index) of one vLLM job.
+) -> Any:
+    """The ``JobSpec`` (per group: GPU block ids, host chunk ids, first index) of a vLLM job.
 
     vLLM orders both specs by group: group ``g`` has ``group_sizes[g]`` GPU blocks,
     the first at logical block ``block_indices[g]`` of its request, and, when
@@ -335,6 +335,8 @@ def split_job(
     (the first chunk's leading ``block_indices[g] % bpc`` slots are skipped).
     """
     import numpy as np
+
+    from triton_offload.jobs import JobSpec
 
     sizes = [int(size) for size in gpu_spec.group_sizes]
     starts = [int(index) for index in gpu_spec.block_indices]
@@ -364,7 +366,7 @@ def split_job(
     host_bounds = np.cumsum([0, *chunks])
     gpu_blocks = [gpu_ids[gpu_bounds[g] : gpu_bounds[g + 1]] for g in range(num_groups)]
     host_blocks = [host_ids[host_bounds[g] : host_bounds[g + 1]] for g in range(num_groups)]
-    return gpu_blocks, host_blocks, starts
+    return JobSpec(gpu_blocks, host_blocks, starts)
 
 
 # ------------------------------------------------------------------ the vLLM classes
@@ -398,9 +400,7 @@ def _build_classes() -> dict[str, type]:
             self.num_groups: int = engine.num_groups
             self._in_flight: set[Any] = set()
 
-        def _job(
-            self, what: str, gpu: tuple[str, Any], host: tuple[str, Any]
-        ) -> tuple[list[Any], list[Any], list[int]]:
+        def _job(self, what: str, gpu: tuple[str, Any], host: tuple[str, Any]) -> Any:
             (gpu_name, gpu_spec), (host_name, host_spec) = gpu, host
             if not isinstance(gpu_spec, api.GPULoadStoreSpec):
                 raise TypeError(
@@ -416,8 +416,8 @@ def _build_classes() -> dict[str, type]:
 
         def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
             what = f"submit_store(job {job_id!r})"
-            gpu, host, first = self._job(what, ("src_spec", src_spec), ("dst_spec", dst_spec))
-            accepted = bool(self.engine.submit_store(job_id, gpu, host, first))
+            job = self._job(what, ("src_spec", src_spec), ("dst_spec", dst_spec))
+            accepted = bool(self.engine.submit_store(job_id, job))
             if accepted:
                 self._in_flight.add(job_id)
             return accepted
@@ -426,8 +426,8 @@ def _build_classes() -> dict[str, type]:
             self, job_id: int, src_spec: Any, dst_spec: Any, expedited: bool = False
         ) -> bool:
             what = f"submit_load(job {job_id!r})"
-            gpu, host, first = self._job(what, ("dst_spec", dst_spec), ("src_spec", src_spec))
-            accepted = bool(self.engine.submit_load(job_id, host, gpu, first))
+            job = self._job(what, ("dst_spec", dst_spec), ("src_spec", src_spec))
+            accepted = bool(self.engine.submit_load(job_id, job))
             if accepted:
                 self._in_flight.add(job_id)
             return accepted

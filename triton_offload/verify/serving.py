@@ -43,6 +43,7 @@ from triton_offload import (
     StoreHandle,
     plan_offload,
 )
+from triton_offload.jobs import JobSpec
 from triton_offload.verify.model import HybridCache, HybridModel, ModelConfig, RequestBlocks
 
 if TYPE_CHECKING:
@@ -330,7 +331,8 @@ class OffloadServer:
                     host_blocks.append(list(handle.rows))
                     first.append(lo * bpc)
                 job = ("load", next(self._jobs))
-                if not engine.submit_load(job, host_blocks, gpu_blocks, first):
+                spec = JobSpec(gpu_blocks, host_blocks, first)
+                if not engine.submit_load(job, spec):
                     raise RuntimeError(f"rank {rank} engine refused load job {job}")
                 total += _finish(engine, job)
             return total
@@ -376,7 +378,8 @@ class OffloadServer:
                     host_blocks.append([rows[g][c] for c in range(lo, top)])
                     first.append(lo * bpc)
                 job = ("store", next(self._jobs))
-                if not engine.submit_store(job, gpu_blocks, host_blocks, first):
+                spec = JobSpec(gpu_blocks, host_blocks, first)
+                if not engine.submit_store(job, spec):
                     success = False
                     continue
                 try:

@@ -1,0 +1,358 @@
+"""Jobs: what to copy (``JobSpec``) and its validated pair table.
+
+A job names, per cache group ``g``, GPU block ids ``B_g``, host rows (chunk ids)
+``H_g`` and the logical index ``s_g`` of ``B_g[0]`` in its request. The k-th GPU block
+sits at position ``p = (s_g mod bpc) + k``: host row ``H_g[p // bpc]``, slot
+``p mod bpc`` (``bpc`` = blocks per chunk). Host bytes outside the addressed slots stay
+untouched.
+
+:func:`pair_table` turns a spec into the int64 ``(gpu_block, pool_row, slot)`` pair
+table every copier reads (one row per block pair, whatever the number of layers) and
+checks it completely, vectorized, before any byte moves: ids in range, enough host
+rows, and no two pairs of a job writing the same destination bytes (also across groups
+that alias cache memory or share pool-row bytes).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from triton_offload.layout import CacheLayout
+
+_INT64_MAX = (1 << 63) - 1
+
+
+class Direction(enum.IntEnum):
+    """Which way a job copies. A device-resident pool makes it a device -> device copy."""
+
+    TO_POOL = 0  # store: cache planes -> pool rows
+    FROM_POOL = 1  # load: pool rows -> cache planes
+
+
+TO_POOL = Direction.TO_POOL
+FROM_POOL = Direction.FROM_POOL
+DIRECTION_NAMES = {TO_POOL: "store", FROM_POOL: "load"}
+
+
+def _ids(values: Any, what: str, kind: str, group: int) -> np.ndarray:
+    """A read-only 1-d int64 array of non-negative ids; ValueError/TypeError naming ``what``."""
+    if isinstance(values, (str, bytes)) or values is None:
+        raise TypeError(f"{what} must be a sequence of integer ids, got {values!r}")
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().numpy()
+    array = np.asarray(values)
+    if array.size == 0:
+        array = np.zeros(0, dtype=np.int64)
+    elif array.ndim != 1:
+        raise ValueError(f"{what} must be a 1-d sequence of ids, got shape {array.shape}")
+    elif array.dtype.kind not in "iu" or array.dtype == np.bool_:
+        raise TypeError(f"{what} must hold integer ids, got {array.dtype}: {array[:8]!r}")
+    elif array.dtype.kind == "u" and int(array.max()) > _INT64_MAX:
+        raise ValueError(f"{what}: id {int(array.max())} out of range")
+    array = np.array(array, dtype=np.int64)  # a private copy: the spec is immutable
+    if array.size and int(array.min()) < 0:
+        bad = int(array[np.argmax(array < 0)])
+        raise ValueError(f"{kind} id {bad} of group {group} is negative ({what})")
+    array.setflags(write=False)
+    return array
+
+
+def _per_group(values: Any, what: str) -> Sequence[Any]:
+    if isinstance(values, (str, bytes, torch.Tensor)) or not isinstance(
+        values, (Sequence, np.ndarray)
+    ):
+        raise TypeError(f"{what} must be a sequence with one entry per group, got {values!r:.80}")
+    return values
+
+
+@dataclass(frozen=True, eq=False)
+class JobSpec:
+    """One job: per group, GPU block ids, host rows and the first block's logical index.
+
+    ``gpu_blocks[g]`` / ``host_blocks[g]`` are read-only int64 arrays (any integer
+    sequence, numpy array or tensor is accepted and copied); ``first_block_index[g]``
+    (default 0) places ``gpu_blocks[g][0]`` at slot ``first_block_index[g] % bpc`` of
+    ``host_blocks[g][0]``. Construction checks what needs no cache geometry: one entry
+    per group in each list, integer non-negative ids and indices (TypeError/ValueError
+    naming the group and value). Ranges and the number of host rows are checked against
+    the engine's layout by :func:`pair_table`.
+    """
+
+    gpu_blocks: tuple[np.ndarray, ...]
+    host_blocks: tuple[np.ndarray, ...]
+    first_block_index: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        gpu = _per_group(self.gpu_blocks, "gpu_blocks")
+        host = _per_group(self.host_blocks, "host_blocks")
+        if len(gpu) != len(host):
+            raise ValueError(f"gpu_blocks has {len(gpu)} groups but host_blocks has {len(host)}")
+        first: Sequence[Any]
+        if self.first_block_index is None:
+            first = [0] * len(gpu)
+        else:
+            first = _per_group(self.first_block_index, "first_block_index")
+            if len(first) != len(gpu):
+                raise ValueError(
+                    f"first_block_index has {len(first)} groups but gpu_blocks has {len(gpu)}"
+                )
+        indices = []
+        for group, value in enumerate(first):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise TypeError(f"first_block_index[{group}] {value!r} is not an int")
+            if value < 0:
+                raise ValueError(f"first_block_index[{group}] {value} is negative")
+            indices.append(int(value))
+        object.__setattr__(
+            self,
+            "gpu_blocks",
+            tuple(_ids(v, f"gpu_blocks[{g}]", "GPU block", g) for g, v in enumerate(gpu)),
+        )
+        object.__setattr__(
+            self,
+            "host_blocks",
+            tuple(_ids(v, f"host_blocks[{g}]", "host block", g) for g, v in enumerate(host)),
+        )
+        object.__setattr__(self, "first_block_index", tuple(indices))
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.gpu_blocks)
+
+    @property
+    def num_pairs(self) -> int:
+        """GPU blocks of the job over all groups (one pair-table row each)."""
+        return sum(blocks.size for blocks in self.gpu_blocks)
+
+    @classmethod
+    def of(
+        cls,
+        spec: JobSpec | None,
+        *,
+        gpu_blocks: Any = None,
+        host_blocks: Any = None,
+        first_block_index: Any = None,
+    ) -> JobSpec:
+        """``spec`` itself, or a spec from the keyword lists (exactly one of the two).
+
+        The entry point of ``submit_store``/``submit_load``: a positional list where a
+        spec belongs is refused, so the two block lists cannot be swapped by position.
+        """
+        lists = (gpu_blocks, host_blocks, first_block_index)
+        if spec is not None:
+            if not isinstance(spec, JobSpec):
+                raise TypeError(
+                    f"the job must be a JobSpec or given as gpu_blocks=/host_blocks= "
+                    f"keywords, got {type(spec).__name__} {spec!r:.60}"
+                )
+            if any(value is not None for value in lists):
+                raise TypeError("give either a JobSpec or gpu_blocks=/host_blocks=, not both")
+            return spec
+        if gpu_blocks is None or host_blocks is None:
+            raise TypeError("a job needs gpu_blocks= and host_blocks= (or a JobSpec)")
+        return cls(gpu_blocks, host_blocks, first_block_index)
+
+
+class PairTable(NamedTuple):
+    """A validated job: int64 ``pairs [n, 3]`` (gpu_block, pool_row, slot) ordered by
+    group, and ``offsets [num_groups + 1]`` (pairs of group g: ``offsets[g]:offsets[g+1]``)."""
+
+    pairs: np.ndarray
+    offsets: np.ndarray
+
+
+def pair_table(
+    layout: CacheLayout, pool_rows: int, spec: JobSpec, direction: Direction | int
+) -> PairTable:
+    """The job's pair table, fully validated; ValueError naming the bad value, nothing copied."""
+    if not isinstance(spec, JobSpec):
+        raise TypeError(f"spec must be a JobSpec, got {type(spec).__name__}")
+    if spec.num_groups != layout.num_groups:
+        raise ValueError(
+            f"the job has {spec.num_groups} groups but the engine has {layout.num_groups}"
+        )
+    bpc = layout.blocks_per_chunk
+    assert spec.first_block_index is not None
+    counts = np.array([blocks.size for blocks in spec.gpu_blocks], dtype=np.int64)
+    offsets = np.zeros(layout.num_groups + 1, dtype=np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    pairs = np.empty((int(offsets[-1]), 3), dtype=np.int64)
+    for group, (blocks, hosts, first) in enumerate(
+        zip(spec.gpu_blocks, spec.host_blocks, spec.first_block_index, strict=True)
+    ):
+        limit = layout.group_num_blocks[group]
+        if blocks.size and int(blocks.max()) >= limit:
+            bad = int(blocks[np.argmax(blocks >= limit)])
+            raise ValueError(f"GPU block id {bad} of group {group} out of range [0, {limit})")
+        if hosts.size and int(hosts.max()) >= pool_rows:
+            bad = int(hosts[np.argmax(hosts >= pool_rows)])
+            raise ValueError(f"host block id {bad} of group {group} out of range [0, {pool_rows})")
+        if not blocks.size:
+            continue
+        positions = (first % bpc) + np.arange(blocks.size, dtype=np.int64)
+        if positions[-1] // bpc >= hosts.size:
+            raise ValueError(
+                f"group {group}: {blocks.size} GPU blocks starting at slot {first % bpc} "
+                f"need {int(positions[-1] // bpc) + 1} host chunks of {bpc} blocks, but "
+                f"{hosts.size} host blocks were given"
+            )
+        rows = pairs[offsets[group] : offsets[group + 1]]
+        rows[:, 0] = blocks
+        rows[:, 1] = hosts[positions // bpc]
+        rows[:, 2] = positions % bpc
+    # Two pairs writing one destination page (also across groups sharing a pool row or
+    # aliasing cache memory) are rejected here.
+    validate_pairs(layout, pool_rows, pairs, offsets, direction)
+    return PairTable(pairs, offsets)
+
+
+def _host_int64(name: str, table: Any) -> np.ndarray:
+    if isinstance(table, torch.Tensor):
+        if table.dtype.is_floating_point or table.dtype.is_complex or table.dtype == torch.bool:
+            raise TypeError(f"{name} must hold integers, got {table.dtype}")
+        return table.detach().cpu().numpy().astype(np.int64, copy=False)
+    array = np.asarray(table)
+    if array.size and not np.issubdtype(array.dtype, np.integer):
+        raise TypeError(f"{name} must hold integers, got {array.dtype}")
+    return array.astype(np.int64, copy=False)
+
+
+def _first_duplicate(
+    major: np.ndarray, minor: np.ndarray, minor_limit: int
+) -> tuple[int, int] | None:
+    """Indices (earlier, later) of the first pair whose (major, minor) key repeats, or None.
+
+    Keys are packed into one int64 (``minor`` is in ``[0, minor_limit)``) so that the
+    common case, no repeat, costs one sort.
+    """
+    if int(major.max()) >= _INT64_MAX // max(minor_limit, 1):
+        raise ValueError(f"ids too large to check for repeats: {int(major.max())}")
+    keys = major * minor_limit + minor
+    if not np.any(np.diff(np.sort(keys)) == 0):
+        return None
+    order = np.argsort(keys, kind="stable")
+    repeated = np.flatnonzero(keys[order][1:] == keys[order][:-1])
+    seconds = order[repeated + 1]
+    k = int(np.argmin(seconds))
+    return int(order[repeated[k]]), int(seconds[k])
+
+
+def validate_pairs(
+    layout: CacheLayout,
+    pool_rows: int,
+    pairs: Any,
+    group_offsets: Any,
+    direction: Direction | int,
+) -> None:
+    """Check a job's pair table on the host (vectorized); ValueError naming the bad value.
+
+    ``pairs``: ``[n, 3]`` (gpu_block_id, pool_row, slot), ``group_offsets``:
+    ``[num_groups + 1]``; CPU tensors or numpy arrays (device tensors are copied, which
+    synchronises). Rejects negative or out-of-range ids, rows (``pool_rows``) and slots,
+    inconsistent group offsets, and two pairs of the job writing the same destination page.
+    """
+    try:
+        direction = Direction(direction)
+    except ValueError:
+        raise ValueError(f"direction {direction!r} is not a Direction") from None
+    table = _host_int64("pairs", pairs)
+    offsets = _host_int64("group_offsets", group_offsets)
+    if table.ndim != 2 or table.shape[1] != 3:
+        raise ValueError(f"pairs must have shape [n, 3], got {tuple(table.shape)}")
+    if offsets.shape != (layout.num_groups + 1,):
+        raise ValueError(
+            f"group_offsets must have shape [{layout.num_groups + 1}] (num_groups + 1), got "
+            f"{tuple(offsets.shape)}"
+        )
+    num_pairs = table.shape[0]
+    if offsets[0] != 0:
+        raise ValueError(f"group_offsets[0] is {offsets[0]}, must be 0")
+    steps = np.diff(offsets)
+    if np.any(steps < 0):
+        g = int(np.flatnonzero(steps < 0)[0])
+        raise ValueError(f"group_offsets decrease at group {g}: {offsets[g]} then {offsets[g + 1]}")
+    if offsets[-1] != num_pairs:
+        raise ValueError(
+            f"group_offsets[-1] is {offsets[-1]} but pairs has {num_pairs} rows: table "
+            "lengths do not match"
+        )
+    if num_pairs == 0:
+        return
+    groups = np.repeat(np.arange(layout.num_groups, dtype=np.int64), steps)
+    names = ("GPU block id", "pool row", "slot")
+    limits = (
+        np.asarray(layout.group_num_blocks, dtype=np.int64)[groups],
+        np.full(num_pairs, pool_rows, dtype=np.int64),
+        np.full(num_pairs, layout.blocks_per_chunk, dtype=np.int64),
+    )
+    for column, (name, limit) in enumerate(zip(names, limits, strict=True)):
+        values = table[:, column]
+        bad = np.flatnonzero((values < 0) | (values >= limit))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(
+                f"{name} {values[i]} at pair {i} (group {groups[i]}) out of range [0, {limit[i]})"
+            )
+
+    if direction == Direction.TO_POOL:
+        # Destination page = (group, row, slot); groups whose planes share row bytes also
+        # clash on the same row whatever the slot.
+        bpc = layout.blocks_per_chunk
+        clash = _first_duplicate(groups, table[:, 1] * bpc + table[:, 2], pool_rows * bpc)
+        if clash is not None:
+            i, j = clash
+            raise ValueError(
+                f"pairs {i} and {j} both write pool row {table[j, 1]} slot {table[j, 2]} "
+                f"(group {groups[j]})"
+            )
+        shared, column, what = layout.pool_shared_groups, 1, "pool row"
+    else:
+        clash = _first_duplicate(groups, table[:, 0], int(table[:, 0].max()) + 1)
+        if clash is not None:
+            i, j = clash
+            raise ValueError(
+                f"pairs {i} and {j} both write GPU block id {table[j, 0]} (group {groups[j]})"
+            )
+        shared, column, what = layout.cache_alias_groups, 0, "GPU block id"
+    if not shared:
+        return
+    num_groups = layout.num_groups
+    conflicts = np.zeros((num_groups, num_groups), dtype=bool)
+    for g, h in shared:
+        conflicts[g, h] = conflicts[h, g] = True
+    ids = table[:, column]
+    if int(ids.max()) >= _INT64_MAX // num_groups:
+        raise ValueError(f"{what} {int(ids.max())} too large to check for clashes")
+    # Distinct (id, group) keys in id order: each id has at most num_groups entries, so
+    # comparing every entry with the next num_groups - 1 ones finds all same-id pairs.
+    keys = np.sort(ids * num_groups + groups)
+    keys = keys[np.concatenate(([True], keys[1:] != keys[:-1]))]
+    key_ids, key_groups = keys // num_groups, keys % num_groups
+    for distance in range(1, num_groups):
+        a, b = slice(None, -distance), slice(distance, None)
+        hit = (key_ids[a] == key_ids[b]) & conflicts[key_groups[a], key_groups[b]]
+        if np.any(hit):
+            k = int(np.flatnonzero(hit)[0])
+            g, h = int(key_groups[k]), int(key_groups[k + distance])
+            raise ValueError(
+                f"{what} {key_ids[k]} is written by groups {g} and {h}, whose planes share "
+                "those bytes"
+            )
+
+
+__all__ = [
+    "DIRECTION_NAMES",
+    "FROM_POOL",
+    "TO_POOL",
+    "Direction",
+    "JobSpec",
+    "PairTable",
+    "pair_table",
+    "validate_pairs",
+]
