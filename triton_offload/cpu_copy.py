@@ -32,6 +32,7 @@ table; the caller must have validated the pairs (the copies here trust them).
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import ctypes
 import itertools
 import threading
@@ -200,9 +201,19 @@ def copy_pages(
         ]
         helpers = _helpers(threads - 1)
         futures = [helpers.submit(_memmove_all, *share) for share in shares[1:]]
-        _memmove_all(*shares[0])
+        try:
+            _memmove_all(*shares[0])
+        finally:
+            # Whatever happened to this thread's share (KeyboardInterrupt included), no
+            # helper may still be writing when the job is reported: a failed job's late
+            # writes would overwrite a later store into the same rows. Shares not
+            # started yet are cancelled; running ones are waited for.
+            for future in futures:
+                future.cancel()
+            concurrent.futures.wait(futures)
         for future in futures:
-            future.result()
+            if not future.cancelled():
+                future.result()  # a helper's error fails the job
         return job_bytes
     for runs in all_runs:
         page, pages, lengths = runs.page_bytes, runs.pages, runs.lengths

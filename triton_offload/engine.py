@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 import weakref
 from collections import deque
@@ -62,12 +63,22 @@ from triton_offload.jobs import (
     PairTable,
     pair_table,
 )
-from triton_offload.layout import CacheLayout, Layer, build_layout, pool_plane_view
+from triton_offload.layout import (
+    CacheLayout,
+    Layer,
+    Plane,
+    build_layout,
+    check_int,
+    planes_overlap,
+    pool_plane_view,
+)
+from triton_offload.plan import OffloadPlan
 from triton_offload.pool import (
     DEFAULT_PIECE_BYTES,
     HostPool,
     allocate_pool,
     cuda_api,
+    row_stride_of,
     wrap_pool,
 )
 from triton_offload.selection import (
@@ -122,6 +133,8 @@ class _Job:
     start: Any = None  # torch.cuda.Event
     end: Any = None  # torch.cuda.Event
     holds: JobHolds = field(default_factory=JobHolds)
+    # Set once the copy returned or failed (CPU) or was enqueued (CUDA: end recorded).
+    finished: threading.Event = field(default_factory=threading.Event)
 
     def done(self) -> bool:
         return self.end is None or bool(self.end.query())
@@ -137,6 +150,44 @@ def _release(streams: list[Any], pool: HostPool) -> None:
     for stream in streams:
         stream.synchronize()
     pool.close()
+
+
+def _check_pool_placement(pool: torch.Tensor, layout: CacheLayout) -> None:
+    """ValueError unless a caller's pool is reachable and shares no byte with a cache.
+
+    A pool on another device than the caches (a CUDA pool for CPU caches, another GPU)
+    cannot be addressed by the copies; a pool that is a view of cache memory would have
+    stores write into the cache. The pool is compared as one more plane (rows of
+    ``row_bytes``, ``row_stride`` apart) with every cache plane, byte-exactly.
+    """
+    device = layout.device
+    other_gpu = (
+        pool.device.index is not None
+        and device.index is not None
+        and pool.device.index != device.index
+    )
+    if pool.device.type == "cuda" and (device.type != "cuda" or other_gpu):
+        raise ValueError(
+            f"pool is on {pool.device} but the caches are on {device}: a device pool must "
+            "live on the caches' GPU (or give a pinned host pool)"
+        )
+    if pool.device.type != device.type:
+        return  # host pool, device caches: separate memories
+    rows, row_bytes = pool.shape
+    pool_plane = Plane(
+        group=0,
+        base_address=pool.data_ptr(),
+        block_stride=row_stride_of(pool),
+        page_bytes=row_bytes,
+        num_blocks=rows,
+        pool_offset=0,
+    )
+    for plane in layout.planes:
+        if planes_overlap(pool_plane, plane):
+            raise ValueError(
+                f"pool [{pool_plane.base_address:#x}, +{rows} rows of {row_bytes} bytes) "
+                f"overlaps {plane.name}: a store would write into the cache"
+            )
 
 
 def _path_name(assignment: Assignment) -> str:
@@ -189,10 +240,15 @@ class TransferEngine:
             raise TypeError(f"num_host_blocks must be an int, got {num_host_blocks!r}")
         if num_host_blocks < 1:
             raise ValueError(f"num_host_blocks {num_host_blocks} must be >= 1")
-        if num_programs is not None and (
-            isinstance(num_programs, bool) or not isinstance(num_programs, int) or num_programs < 1
-        ):
-            raise ValueError(f"num_programs {num_programs!r} must be an int >= 1")
+        if num_programs is not None:
+            # Checked on every backend: 0 or -3 launched an empty grid on the kernel path
+            # (every job "succeeded", nothing moved) and "4" failed every job later.
+            num_programs = check_int("num_programs", num_programs, 1)
+        if not isinstance(plan, OffloadPlan):
+            raise TypeError(
+                f"plan must be an OffloadPlan (from plan_offload), got {type(plan).__name__} "
+                f"{plan!r:.60}"
+            )
         configured_crossover = parse_crossover(crossover)
         num_groups = len(plan.groups)
         self.plan = plan
@@ -246,6 +302,7 @@ class TransferEngine:
                 self._pool = wrap_pool(
                     pool, rows=num_host_blocks, row_bytes=self.row_bytes, cuda=self.cuda
                 )
+                _check_pool_placement(self._pool.tensor, self.layout)
         self.pool: torch.Tensor = self._pool.tensor
         self.pool_address: int = self._pool.device_address
         #: Bytes between pool rows: the pool tensor's stride(0), >= row_bytes.
@@ -260,8 +317,15 @@ class TransferEngine:
 
         self._active: dict[Hashable, _Job] = {}
         self._queues: dict[int, deque[_Job]] = {TO_POOL: deque(), FROM_POOL: deque()}
-        self._finished: deque[_Job] = deque()  # CPU: completed in submit order
+        self._finished: deque[_Job] = deque()  # CPU: completed, in completion order
         self._closed = False
+        # Guards the job books (_active, _queues, _finished, _closed) and, on CUDA, the
+        # enqueue of a job together with its place in the FIFO queue. Reentrant: the
+        # calibration submits jobs through _submit.
+        self._lock = threading.RLock()
+        # CPU: one job per direction copies at a time (the CUDA streams' FIFO order);
+        # copies run outside _lock so that get_finished never waits for a copy.
+        self._copy_locks = {TO_POOL: threading.Lock(), FROM_POOL: threading.Lock()}
         self.last_job_table: PairTable | None = None
         self.last_job_backend: str | None = None
         self.last_job_assignment: Assignment | None = None
@@ -389,23 +453,27 @@ class TransferEngine:
             hash(job_id)
         except TypeError:
             raise ValueError(f"job id {job_id!r} is not hashable") from None
-        if job_id in self._active:
-            raise ValueError(f"job id {job_id!r} is already in flight")
+        # A reallocated cache would be read or written through stale addresses.
+        self.layout.check_sources()
         table = self.build_job_table(spec, direction)
         size, _pages = self._job_size(table.offsets)
         if assignment is None:
             assignment = self.policy.assign(direction, np.diff(table.offsets))
-        self.last_job_table = table
-        self.last_job_assignment = assignment
-        self.last_job_backend = _path_name(assignment)
         job = _Job(job_id, direction, assignment, size)
-        self._active[job_id] = job
-        if self.cuda:
-            self._queues[direction].append(job)
-            self._run_cuda(job, table)
-        else:
-            self._finished.append(job)
-            self._run_cpu(job, table)
+        with self._lock:
+            if self._closed:
+                return False
+            if job_id in self._active:
+                raise ValueError(f"job id {job_id!r} is already in flight")
+            self._active[job_id] = job
+            self.last_job_table = table
+            self.last_job_assignment = assignment
+            self.last_job_backend = _path_name(assignment)
+            if self.cuda:
+                self._queues[direction].append(job)
+                self._run_cuda(job, table)
+                return True
+        self._run_cpu(job, table)
         return True
 
     def _prepare(self, job: _Job, table: PairTable, stream: Any) -> list[Callable[[], None]]:
@@ -415,15 +483,26 @@ class TransferEngine:
         ]
 
     def _run_cpu(self, job: _Job, table: PairTable) -> None:
+        """Copy now; the job is reported (queued for get_finished) only after its copy
+        returned or failed, and a copy interrupted by any exception, KeyboardInterrupt
+        included, is reported ``success=False`` before the exception propagates."""
         try:
-            runs = self._prepare(job, table, None)
-            start = time.perf_counter()
-            for run in runs:
-                run()
-            job.transfer_time = time.perf_counter() - start
-        except Exception:
-            logger.exception("%s job %r failed", DIRECTION_NAMES[job.direction], job.job_id)
+            with self._copy_locks[job.direction]:
+                runs = self._prepare(job, table, None)
+                start = time.perf_counter()
+                for run in runs:
+                    run()
+                job.transfer_time = time.perf_counter() - start
+        except BaseException as error:
             job.success = False
+            if isinstance(error, Exception):
+                logger.exception("%s job %r failed", DIRECTION_NAMES[job.direction], job.job_id)
+            else:
+                raise
+        finally:
+            with self._lock:
+                self._finished.append(job)
+            job.finished.set()
 
     def _run_cuda(self, job: _Job, table: PairTable) -> None:
         stream = self._streams[job.direction]
@@ -442,24 +521,30 @@ class TransferEngine:
                 for run in runs:
                     run()
                 job.end.record(stream)
-        except Exception:
-            logger.exception("%s job %r failed", DIRECTION_NAMES[job.direction], job.job_id)
+        except BaseException as error:
             job.success = False
             # Whatever was enqueued still runs; the job counts as finished after it.
             job.end.record(stream)
+            if isinstance(error, Exception):
+                logger.exception("%s job %r failed", DIRECTION_NAMES[job.direction], job.job_id)
+            else:
+                raise
         finally:
             job.holds.release_after(job.end)
+            job.finished.set()
 
     def _run_now(self, spec: JobSpec, direction: int, assignment: Assignment) -> TransferResult:
         """Run one job with a forced assignment and wait for it (calibration); not reported."""
         job_id = ("calibration", object())
         self._submit(job_id, spec, direction, assignment)
-        job = self._active.pop(job_id)
+        with self._lock:
+            job = self._active.pop(job_id)
+            if self.cuda:
+                self._queues[direction].remove(job)
+            else:
+                self._finished.remove(job)
         if self.cuda:
             job.end.synchronize()
-            self._queues[direction].remove(job)
-        else:
-            self._finished.remove(job)
         job.holds.keep_alive.clear()
         result = job.result()
         if not result.success:
@@ -469,39 +554,56 @@ class TransferEngine:
     # ------------------------------------------------------------------ finish
 
     def get_finished(self) -> list[TransferResult]:
-        """Results of jobs finished since the last call, FIFO per direction; never blocks."""
+        """Results of jobs finished since the last call, FIFO per direction; never blocks.
+
+        Each accepted job is reported exactly once, and only after its bytes landed
+        (CUDA: its end event completed; CPU: its copy returned).
+        """
         done: list[_Job] = []
-        if self.cuda:
-            for queue in self._queues.values():
-                while queue and queue[0].done():
-                    done.append(queue.popleft())
-        else:
-            done.extend(self._finished)
-            self._finished.clear()
+        with self._lock:
+            if self.cuda:
+                for queue in self._queues.values():
+                    while queue and queue[0].done():
+                        done.append(queue.popleft())
+            else:
+                done.extend(self._finished)
+                self._finished.clear()
+            for job in done:
+                del self._active[job.job_id]
         results = []
         for job in done:
-            del self._active[job.job_id]
             job.holds.keep_alive.clear()
             results.append(job.result())
         return results
 
     def wait(self, job_ids: Iterable[Hashable]) -> None:
-        """Block until the given jobs finished (their results stay for get_finished)."""
+        """Block until the given jobs finished (their results stay for get_finished).
+
+        ValueError for an id that is not in flight (unknown, or already reported: with
+        another thread polling ``get_finished`` that can happen at any time).
+        """
         ids = list(job_ids)
-        for job_id in ids:
-            if job_id not in self._active:
-                raise ValueError(f"job id {job_id!r} is unknown or already reported")
-        for job_id in ids:
-            job = self._active[job_id]
+        with self._lock:
+            jobs = []
+            for job_id in ids:
+                job = self._active.get(job_id)
+                if job is None:
+                    raise ValueError(f"job id {job_id!r} is unknown or already reported")
+                jobs.append(job)
+        for job in jobs:
+            job.finished.wait()
             if job.end is not None:
                 job.end.synchronize()
 
     def shutdown(self) -> None:
         """Wait for running jobs, then release the pool's page locks; idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self._finalizer()
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        # No copy may still run when the pool is released (CPU copies hold these).
+        with self._copy_locks[TO_POOL], self._copy_locks[FROM_POOL]:
+            self._finalizer()
 
     def __enter__(self) -> TransferEngine:
         return self

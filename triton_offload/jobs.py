@@ -23,9 +23,10 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from triton_offload.layout import CacheLayout
+from triton_offload.layout import CacheLayout, pages_meet
 
 _INT64_MAX = (1 << 63) - 1
+_BOOL_TYPES = frozenset((bool, np.bool_))
 
 
 class Direction(enum.IntEnum):
@@ -46,6 +47,12 @@ def _ids(values: Any, what: str, kind: str, group: int) -> np.ndarray:
         raise TypeError(f"{what} must be a sequence of integer ids, got {values!r}")
     if isinstance(values, torch.Tensor):
         values = values.detach().cpu().numpy()
+    elif isinstance(values, (list, tuple)) and not _BOOL_TYPES.isdisjoint(map(type, values)):
+        # np.asarray([True, 7]) is the int array [1, 7]: True would name block 1.
+        index = next(i for i, v in enumerate(values) if type(v) in _BOOL_TYPES)
+        raise TypeError(
+            f"{what} must hold integer ids, got bool {values[index]!r} at index {index}"
+        )
     array = np.asarray(values)
     if array.size == 0:
         array = np.zeros(0, dtype=np.int64)
@@ -243,6 +250,53 @@ def _first_duplicate(
     return int(order[repeated[k]]), int(seconds[k])
 
 
+def _check_cache_aliasing(layout: CacheLayout, table: np.ndarray, offsets: np.ndarray) -> None:
+    """ValueError if two groups of a load write the same cache bytes, by byte range.
+
+    Hybrid allocators let groups alias one tensor, also with another block size or a
+    shifted view (``x`` and ``x[1:]``): equal block ids are neither needed nor enough for
+    a clash. Each plane pair that shares bytes (``layout.alias_rules``) is checked on the
+    job's blocks only: with equal block strides by the block offsets that meet (a set
+    lookup), otherwise by sorting one side's pages (``pages_meet``).
+    """
+    for rule in layout.alias_rules:
+        lo_a, hi_a = int(offsets[rule.group_a]), int(offsets[rule.group_a + 1])
+        lo_b, hi_b = int(offsets[rule.group_b]), int(offsets[rule.group_b + 1])
+        if lo_a == hi_a or lo_b == hi_b:
+            continue
+        a_blocks, b_blocks = table[lo_a:hi_a, 0], table[lo_b:hi_b, 0]
+        plane_a, plane_b = layout.planes[rule.plane_a], layout.planes[rule.plane_b]
+        found = -1
+        if rule.offsets is not None:
+            for shift in range(rule.offsets[0], rule.offsets[1] + 1):
+                hit = np.isin(a_blocks + shift, b_blocks)
+                if hit.any():
+                    found = int(np.argmax(hit))
+                    other = int(a_blocks[found]) + shift
+                    break
+        else:
+            found = pages_meet(plane_a, a_blocks, plane_b, b_blocks)
+            if found >= 0:
+                start = plane_a.base_address + int(a_blocks[found]) * plane_a.block_stride
+                end = start + plane_a.page_bytes
+                b_starts = plane_b.base_address + b_blocks * plane_b.block_stride
+                meets = (b_starts < end) & (b_starts + plane_b.page_bytes > start)
+                other = int(b_blocks[np.argmax(meets)])
+        if found < 0:
+            continue
+        block = int(a_blocks[found])
+        where = f"({plane_a.name} and {plane_b.name})"
+        if block == other:
+            raise ValueError(
+                f"GPU block id {block} is written by groups {rule.group_a} and "
+                f"{rule.group_b}, whose planes share those bytes {where}"
+            )
+        raise ValueError(
+            f"GPU block id {block} of group {rule.group_a} and GPU block id {other} of group "
+            f"{rule.group_b} write the same bytes {where}"
+        )
+
+
 def validate_pairs(
     layout: CacheLayout,
     pool_rows: int,
@@ -311,7 +365,6 @@ def validate_pairs(
                 f"pairs {i} and {j} both write pool row {table[j, 1]} slot {table[j, 2]} "
                 f"(group {groups[j]})"
             )
-        shared, column, what = layout.pool_shared_groups, 1, "pool row"
     else:
         clash = _first_duplicate(groups, table[:, 0], int(table[:, 0].max()) + 1)
         if clash is not None:
@@ -319,7 +372,11 @@ def validate_pairs(
             raise ValueError(
                 f"pairs {i} and {j} both write GPU block id {table[j, 0]} (group {groups[j]})"
             )
-        shared, column, what = layout.cache_alias_groups, 0, "GPU block id"
+        # Planes of one group never share bytes (refused by the layout) and one plane's
+        # blocks never overlap, so only groups that alias cache memory can collide.
+        _check_cache_aliasing(layout, table, offsets)
+        return
+    shared, column, what = layout.pool_shared_groups, 1, "pool row"
     if not shared:
         return
     num_groups = layout.num_groups
