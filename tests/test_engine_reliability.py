@@ -20,6 +20,13 @@ from triton_offload import GroupSpec, cpu_copy, plan_offload
 from triton_offload.engine import TransferEngine
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+BACKENDS = [
+    "torch",
+    pytest.param(
+        "triton",
+        marks=pytest.mark.skipif(not INTERPRETED, reason="CPU tensors need TRITON_INTERPRET=1"),
+    ),
+]
 NUM_BLOCKS = 6
 ROWS = 4
 
@@ -184,6 +191,28 @@ def test_a_job_interrupted_by_any_exception_is_reported_failed(
     assert result.success and torch.equal(engine.pool[3], cache[1])
 
 
+@pytest.mark.skipif(not INTERPRETED, reason="CPU tensors need TRITON_INTERPRET=1")
+def test_a_kernel_job_interrupted_by_keyboard_interrupt_is_reported_failed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from triton_offload.kernels import copy_blocks
+
+    cache = random_tensor(NUM_BLOCKS, 64)
+    engine = TransferEngine(plan(), [[cache]], ROWS, backend="triton")
+    real = copy_blocks.launch_copy
+
+    def launch_then_interrupt(*args: Any, **kwargs: Any) -> None:
+        real(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(copy_blocks, "launch_copy", launch_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        engine.submit_load("cut", host_blocks=[[0, 1]], gpu_blocks=[[3, 4]])
+    monkeypatch.undo()
+    assert [(r.job_id, r.success) for r in engine.get_finished()] == [("cut", False)]
+    assert engine.get_finished() == []
+
+
 def test_a_failed_multithreaded_copy_stopped_writing_before_it_is_reported(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -305,10 +334,11 @@ def test_different_block_sizes_over_the_same_memory_are_checked_by_bytes() -> No
 # ------------------------------------------------------------------ empty groups
 
 
-def test_a_group_with_no_layers_is_valid_and_moves_nothing() -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_group_with_no_layers_is_valid_and_moves_nothing(backend: str) -> None:
     # A pipeline stage that holds none of group 1's layers still gets its block ids.
     cache = random_tensor(NUM_BLOCKS, 48)
-    engine = TransferEngine(plan(2), [[cache], []], ROWS, backend="torch")
+    engine = TransferEngine(plan(2), [[cache], []], ROWS, backend=backend)
     engine.pool.fill_(9)
     assert engine.submit_store(0, gpu_blocks=[[2], [0, 1, 5]], host_blocks=[[1], [3, 0, 2]])
     (result,) = engine.get_finished()
