@@ -30,6 +30,25 @@ leaves their results to ``get_finished``. ``submit_*`` returns True when the job
 accepted (its result will be reported, with ``success=False`` if it failed while
 running) and False once ``shutdown()`` was called; bad input raises ValueError or
 TypeError before anything is enqueued.
+
+Threads: ``submit_store``, ``submit_load``, ``get_finished``, ``wait`` and
+``shutdown`` may be called from different threads (a lock guards the job books).
+Every accepted job is reported exactly once, and only after its bytes landed (CUDA:
+its end event completed; CPU: its copy returned, helper threads included). On CPU one
+job per direction copies at a time, outside the lock, so ``get_finished`` does not
+wait for a copy. ``wait`` on an id another thread already reported raises ValueError.
+
+Failures: a job interrupted by any exception, ``KeyboardInterrupt`` included, is
+reported ``success=False``; an ``Exception`` is logged, anything else propagates from
+the submit after the job was marked failed. A failed job has stopped writing when it
+is reported.
+
+Caches: the engine keeps raw addresses. Each registered tensor's data pointer and
+storage size are compared with their values at construction on every submit; after a
+``resize_``, ``set_`` or a freed storage the job is refused naming the plane. Groups
+may alias memory; a load whose destination pages share bytes is refused. A group with
+no layers (a pipeline stage holding none of its layers) is valid: its pairs move
+nothing and count no bytes.
 """
 
 from __future__ import annotations
@@ -197,21 +216,28 @@ def _path_name(assignment: Assignment) -> str:
 class TransferEngine:
     """Stores and loads cache blocks; see the module docstring for the job semantics.
 
+    Every argument is checked here, with an error naming it; see the module docstring
+    for the thread-safety contract and failure semantics.
+
     Args:
         plan: an ``OffloadPlan`` (uses ``plan.groups`` and ``plan.blocks_per_chunk``).
         caches: ``caches[g]`` lists group g's layers; a layer is a tensor whose dim 0
-            is the block dimension or a tuple of such tensors.
-        num_host_blocks: rows of the host pool (one chunk of one group per row).
+            is the block dimension or a tuple of such tensors. A group may list no
+            layer; two planes of one group may not share bytes.
+        num_host_blocks: rows of the host pool (one chunk of one group per row); an
+            allocated pool must fit in the host's memory.
         device: where the caches live; inferred from them when None.
         backend: "auto", "triton", "dma" or "torch".
         pool: optional caller-provided pool, uint8 ``[num_host_blocks, row_bytes]``
             with contiguous rows (``stride(1) == 1``) spaced ``stride(0) >= row_bytes``
-            bytes apart (pinned when CUDA is used); allocated when None.
+            bytes apart (pinned when CUDA is used), on the host or the caches' GPU and
+            sharing no byte with a cache; allocated when None.
         stream_priority: priority of the two transfer streams (CUDA).
         crossover: DMA/Triton switch for "auto" on CUDA: page bytes at or above
             which DMA is used, as an int or ``{"store": int, "load": int}``;
             measured at start-up when None.
-        num_programs: grid size for the Triton kernel (default: the launcher's).
+        num_programs: grid size for the Triton kernel, an int >= 1 (default: the
+            launcher's).
         pool_piece_bytes: size of each ``cudaHostRegister`` call for the pool.
         path_choice: for "auto": ``"plane"`` (each plane by its own best copier) or
             ``"job"`` (one copier per job, from the job's mean page size).
