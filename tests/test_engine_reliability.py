@@ -445,3 +445,43 @@ def test_submitter_and_poller_threads_lose_nothing(backend: str) -> None:
     assert not problems, problems[:5]
     assert sorted(reported) == submitted
     assert len(submitted) > 10
+
+
+def test_wait_and_poll_from_other_threads_during_a_cpu_copy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """While one thread's copy runs: get_finished from another thread returns at once
+    and does not report the job; wait blocks until the copy returned."""
+    cache = random_tensor(NUM_BLOCKS, 64)
+    engine = TransferEngine(plan(), [[cache]], ROWS, backend="torch")
+    entered, release = threading.Event(), threading.Event()
+    real = cpu_copy._memmove
+
+    def held(dst: int, src: int, size: int) -> int:
+        entered.set()
+        release.wait(10)
+        return real(dst, src, size)
+
+    monkeypatch.setattr(cpu_copy, "_memmove", held)
+    submitter = threading.Thread(
+        target=engine.submit_store, args=("j",), kwargs={"gpu_blocks": [[2]], "host_blocks": [[1]]}
+    )
+    submitter.start()
+    assert entered.wait(10)
+    returned = threading.Event()
+
+    def waiter() -> None:
+        engine.wait(["j"])
+        returned.set()
+
+    waiting = threading.Thread(target=waiter)
+    waiting.start()
+    assert engine.get_finished() == []  # the copy has not returned
+    assert not returned.wait(0.2)
+    release.set()
+    for thread in (submitter, waiting):
+        thread.join(10)
+    assert returned.is_set()
+    (result,) = engine.get_finished()
+    assert result.job_id == "j" and result.success
+    assert torch.equal(engine.pool[1], cache[2])
