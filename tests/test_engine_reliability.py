@@ -113,6 +113,21 @@ def test_pool_overlapping_a_cache_plane_is_refused() -> None:
     engine.shutdown()
 
 
+@pytest.mark.skipif(not INTERPRETED, reason="CPU tensors need TRITON_INTERPRET=1")
+def test_one_off_copy_refuses_a_pool_inside_a_cache() -> None:
+    from triton_offload.copiers import copy_blocks
+    from triton_offload.layout import build_layout
+
+    memory = random_tensor(NUM_BLOCKS + ROWS, 32)
+    layout = build_layout([[memory[:NUM_BLOCKS]]], num_groups=1, blocks_per_chunk=1)
+    before = memory.clone()
+    with pytest.raises(ValueError, match=r"pool .* overlaps group 0 layer 0 plane 0"):
+        copy_blocks(layout, [[0, 0, 0]], [0, 1], memory[NUM_BLOCKS - 2 :], 0)
+    assert torch.equal(memory, before)
+    copy_blocks(layout, [[1, 0, 0]], [0, 1], memory[NUM_BLOCKS:], 0)
+    assert torch.equal(memory[NUM_BLOCKS], memory[1])
+
+
 # ------------------------------------------------------------------ small items
 
 

@@ -85,10 +85,9 @@ from triton_offload.jobs import (
 from triton_offload.layout import (
     CacheLayout,
     Layer,
-    Plane,
     build_layout,
     check_int,
-    planes_overlap,
+    check_pool_placement,
     pool_plane_view,
 )
 from triton_offload.plan import OffloadPlan
@@ -97,7 +96,6 @@ from triton_offload.pool import (
     HostPool,
     allocate_pool,
     cuda_api,
-    row_stride_of,
     wrap_pool,
 )
 from triton_offload.selection import (
@@ -169,44 +167,6 @@ def _release(streams: list[Any], pool: HostPool) -> None:
     for stream in streams:
         stream.synchronize()
     pool.close()
-
-
-def _check_pool_placement(pool: torch.Tensor, layout: CacheLayout) -> None:
-    """ValueError unless a caller's pool is reachable and shares no byte with a cache.
-
-    A pool on another device than the caches (a CUDA pool for CPU caches, another GPU)
-    cannot be addressed by the copies; a pool that is a view of cache memory would have
-    stores write into the cache. The pool is compared as one more plane (rows of
-    ``row_bytes``, ``row_stride`` apart) with every cache plane, byte-exactly.
-    """
-    device = layout.device
-    other_gpu = (
-        pool.device.index is not None
-        and device.index is not None
-        and pool.device.index != device.index
-    )
-    if pool.device.type == "cuda" and (device.type != "cuda" or other_gpu):
-        raise ValueError(
-            f"pool is on {pool.device} but the caches are on {device}: a device pool must "
-            "live on the caches' GPU (or give a pinned host pool)"
-        )
-    if pool.device.type != device.type:
-        return  # host pool, device caches: separate memories
-    rows, row_bytes = pool.shape
-    pool_plane = Plane(
-        group=0,
-        base_address=pool.data_ptr(),
-        block_stride=row_stride_of(pool),
-        page_bytes=row_bytes,
-        num_blocks=rows,
-        pool_offset=0,
-    )
-    for plane in layout.planes:
-        if planes_overlap(pool_plane, plane):
-            raise ValueError(
-                f"pool [{pool_plane.base_address:#x}, +{rows} rows of {row_bytes} bytes) "
-                f"overlaps {plane.name}: a store would write into the cache"
-            )
 
 
 def _path_name(assignment: Assignment) -> str:
@@ -328,7 +288,7 @@ class TransferEngine:
                 self._pool = wrap_pool(
                     pool, rows=num_host_blocks, row_bytes=self.row_bytes, cuda=self.cuda
                 )
-                _check_pool_placement(self._pool.tensor, self.layout)
+                check_pool_placement(self._pool.tensor, self.layout)
         self.pool: torch.Tensor = self._pool.tensor
         self.pool_address: int = self._pool.device_address
         #: Bytes between pool rows: the pool tensor's stride(0), >= row_bytes.

@@ -412,6 +412,44 @@ class CacheLayout:
         )
 
 
+def check_pool_placement(pool: torch.Tensor, layout: CacheLayout) -> None:
+    """ValueError unless a caller's pool is reachable and shares no byte with a cache.
+
+    A pool on another device than the caches (a CUDA pool for CPU caches, another GPU)
+    cannot be addressed by the copies; a pool that is a view of cache memory would have
+    stores write into the cache. The pool is compared as one more plane (rows of
+    ``row_bytes``, ``row_stride`` apart) with every cache plane, byte-exactly.
+    """
+    device = layout.device
+    other_gpu = (
+        pool.device.index is not None
+        and device.index is not None
+        and pool.device.index != device.index
+    )
+    if pool.device.type == "cuda" and (device.type != "cuda" or other_gpu):
+        raise ValueError(
+            f"pool is on {pool.device} but the caches are on {device}: a device pool must "
+            "live on the caches' GPU (or give a pinned host pool)"
+        )
+    if pool.device.type != device.type:
+        return  # host pool, device caches: separate memories
+    rows, row_bytes = pool.shape
+    pool_plane = Plane(
+        group=0,
+        base_address=pool.data_ptr(),
+        block_stride=int(pool.stride(0)) if rows > 1 else row_bytes,
+        page_bytes=row_bytes,
+        num_blocks=rows,
+        pool_offset=0,
+    )
+    for plane in layout.planes:
+        if planes_overlap(pool_plane, plane):
+            raise ValueError(
+                f"pool [{pool_plane.base_address:#x}, +{rows} rows of {row_bytes} bytes) "
+                f"overlaps {plane.name}: a store would write into the cache"
+            )
+
+
 def _plane_tensors(layer: Any, group: int, layer_index: int) -> list[torch.Tensor]:
     if isinstance(layer, torch.Tensor):
         return [layer]
@@ -581,6 +619,7 @@ __all__ = [
     "build_layout",
     "byte_view",
     "check_int",
+    "check_pool_placement",
     "overlapping_plane_pairs",
     "pages_meet",
     "planes_overlap",
