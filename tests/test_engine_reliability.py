@@ -242,10 +242,14 @@ def test_a_failed_multithreaded_copy_stopped_writing_before_it_is_reported(
     main = threading.get_ident()
     real = cpu_copy._memmove
     helper_done: list[float] = []
+    helper_started = threading.Event()
 
     def memmove(dst: int, src: int, size: int) -> int:
         if threading.get_ident() == main:
+            # Fail only once the helper is inside its share (not merely queued).
+            assert helper_started.wait(10)
             raise RuntimeError("injected failure on the calling thread")
+        helper_started.set()
         time.sleep(0.2)  # a helper still copying when the caller's share failed
         result = real(dst, src, size)
         helper_done.append(time.monotonic())
