@@ -504,3 +504,56 @@ def test_wait_and_poll_from_other_threads_during_a_cpu_copy(
     (result,) = engine.get_finished()
     assert result.job_id == "j" and result.success
     assert torch.equal(engine.pool[1], cache[2])
+
+
+class _Event:
+    """Stands in for torch.cuda.Event: complete as soon as it is recorded."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.recorded = False
+
+    def record(self, stream: Any = None) -> None:
+        self.recorded = True
+
+    def query(self) -> bool:
+        return self.recorded
+
+    def synchronize(self) -> None:
+        assert self.recorded
+
+    def elapsed_time(self, other: Any) -> float:
+        return 1.0
+
+
+class _Stream:
+    cuda_stream = 0
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+def test_cuda_path_reports_an_interrupted_job_failed_with_stand_ins(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The CUDA submit path without a GPU (stand-in streams and events, the CPU copier
+    doing the work): a KeyboardInterrupt while enqueueing still records the job's end,
+    marks it failed and reports it once; then it propagates."""
+    import contextlib
+
+    cache = random_tensor(NUM_BLOCKS, 64)
+    engine = TransferEngine(plan(), [[cache]], ROWS, backend="torch")
+    engine.cuda = True
+    engine._streams = {0: _Stream(), 1: _Stream()}
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
+    _interrupt_on_call(monkeypatch, 1, KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        engine.submit_store("cut", gpu_blocks=[[0, 2]], host_blocks=[[0, 1]])
+    engine.wait(["cut"])  # its end was recorded: wait returns
+    assert [(r.job_id, r.success) for r in engine.get_finished()] == [("cut", False)]
+    assert engine.get_finished() == []
