@@ -245,6 +245,10 @@ def checked_presence_row(group: int, row: object) -> PresenceRow:
             f"present[{group}] must be a sequence of bools (one per chunk of group "
             f"{group} from chunk 0: a list, tuple, bytes or bytearray), got {row!r}"
         )
+    dtype = getattr(row, "dtype", None)
+    if getattr(dtype, "kind", None) == "b" and getattr(row, "ndim", None) == 1:
+        # A 1-d numpy bool array: its raw bytes are the 0/1 presence (no per-value loop).
+        return row.tobytes()  # type: ignore[attr-defined, no-any-return]
     if isinstance(row, (list, tuple)):
         try:
             packed = bytes(row)
