@@ -41,10 +41,6 @@ def random_tensor(*shape: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator)
 
 
-def raw(tensor: torch.Tensor) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage())
-
-
 # ------------------------------------------------------------------ constructor arguments
 
 
