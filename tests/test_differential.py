@@ -2,11 +2,13 @@
 
 Each round builds a random set of cache groups (plain tensors, K/V halves of one
 ``(2, blocks, ...)`` tensor, K/V interleaved in ``(blocks, 2, ...)``, padded block
-strides, odd page sizes, several dtypes), a random ``blocks_per_chunk`` and pool size,
-then runs random stores and loads (partial first chunks, repeated source blocks,
-unused trailing host rows, groups with no blocks) through ``TransferEngine`` on both
-CPU backends. After every job the whole cache memory and the whole pool are compared
-with ``torch.equal`` against a model kept here in plain numpy.
+strides, odd page sizes, several dtypes, groups aliasing an earlier group's memory,
+groups with no layers), a random ``blocks_per_chunk`` and pool size, then runs random
+stores and loads (partial first chunks, repeated source blocks, unused trailing host
+rows, groups with no blocks) through ``TransferEngine`` on both CPU backends, the
+torch path also with its multi-threaded copy forced. After every job the whole cache
+memory and the whole pool are compared with ``torch.equal`` against a model kept
+here in plain numpy.
 
 The model is written from the rules, not from the engine, ``layout.py`` or
 ``reference.py``:
@@ -37,7 +39,7 @@ import numpy as np
 import pytest
 import torch
 
-from triton_offload import GroupSpec, plan_offload
+from triton_offload import GroupSpec, cpu_copy, plan_offload
 from triton_offload.engine import TransferEngine
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -363,6 +365,7 @@ def _run_round(seed: int, backend: str) -> tuple[int, int]:
 
 BACKENDS = [
     "torch",
+    "torch-threads",
     pytest.param(
         "triton",
         marks=pytest.mark.skipif(not INTERPRETED, reason="CPU tensors need TRITON_INTERPRET=1"),
@@ -371,7 +374,16 @@ BACKENDS = [
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_random_layouts_match_an_independent_model(backend: str) -> None:
+def test_random_layouts_match_an_independent_model(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if backend == "torch-threads":
+        # The CPU path's multi-threaded copy, which real jobs take only from 4 MiB on:
+        # every job here is split over three threads.
+        monkeypatch.setattr(cpu_copy, "PARALLEL_MIN_JOB_BYTES", 0)
+        monkeypatch.setattr(cpu_copy, "PARALLEL_MIN_RUN_BYTES", 0)
+        monkeypatch.setattr(cpu_copy, "copy_threads", lambda: 3)
+        backend = "torch"
     deadline = time.monotonic() + FUZZ_SECONDS
     seed = FIRST_SEED
     rounds = jobs = refused = 0

@@ -183,6 +183,7 @@ def copy_pages(
     threads = copy_threads()
     if (
         threads > 1
+        and run_count > 0
         and job_bytes >= PARALLEL_MIN_JOB_BYTES
         and job_bytes >= PARALLEL_MIN_RUN_BYTES * run_count
     ):
@@ -203,17 +204,19 @@ def copy_pages(
         futures = [helpers.submit(_memmove_all, *share) for share in shares[1:]]
         try:
             _memmove_all(*shares[0])
-        finally:
-            # Whatever happened to this thread's share (KeyboardInterrupt included), no
-            # helper may still be writing when the job is reported: a failed job's late
+        except BaseException:
+            # Whatever stopped this thread's share (KeyboardInterrupt included), no
+            # helper may still be writing when the job is reported failed: its late
             # writes would overwrite a later store into the same rows. Shares not
             # started yet are cancelled; running ones are waited for.
             for future in futures:
                 future.cancel()
             concurrent.futures.wait(futures)
+            raise
+        # Every share must finish (also when one of them failed) before this returns.
+        concurrent.futures.wait(futures)
         for future in futures:
-            if not future.cancelled():
-                future.result()  # a helper's error fails the job
+            future.result()  # a helper's error fails the job
         return job_bytes
     for runs in all_runs:
         page, pages, lengths = runs.page_bytes, runs.pages, runs.lengths
