@@ -20,9 +20,11 @@ Row life cycle::
 
 A row being stored (not yet completed) or loaded (refcount > 0) is never evicted
 and never handed out to another store, so a transfer in flight cannot have its row
-overwritten. Eviction takes the least recently used stored row first; stores that
-complete and loads that are prepared (and ``touch``) make a chunk most recently
-used. ``lookup`` is a pure query and does not change the order.
+overwritten. Eviction takes the least recently used stored row first, but never a
+chunk the same ``prepare_store`` names; stores that complete, stores that name an
+already stored chunk and loads that are prepared (and ``touch``) make a chunk most
+recently used. ``lookup`` is a pure query and does not change the order. Rows are
+handed out lazily, so ``num_rows`` costs no memory until rows are used.
 
 Typical serving loop (one manager per scheduler, shared by every rank's engine)::
 
