@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import statistics
 import time
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
+from triton_offload import GroupSpec, plan_offload
 from triton_offload.engine import TransferEngine
 from triton_offload.jobs import JobSpec
 
@@ -44,7 +44,7 @@ def _job_bytes(benchmark: Any) -> int:
 def _engine(page: int, pages: int) -> TransferEngine:
     generator = torch.Generator().manual_seed(page)
     cache = torch.randint(0, 256, (2 * pages, page), dtype=torch.uint8, generator=generator)
-    plan = SimpleNamespace(groups=(None,), blocks_per_chunk=1)
+    plan = plan_offload([GroupSpec("full_attention", 16)])
     return TransferEngine(plan, [[cache]], pages, backend="torch")
 
 

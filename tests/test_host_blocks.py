@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import random
+import threading
+import time
+
 import pytest
 
 from triton_offload.host_blocks import HostBlockManager, LoadHandle, StoreHandle
@@ -185,3 +189,188 @@ def test_handles_complete_once() -> None:
     forged = LoadHandle(handle_id=load.handle_id, group=0, keys=("a",), rows=(0,))
     with pytest.raises(ValueError, match="not pending"):
         manager.complete_load(forged)
+
+
+def test_store_never_evicts_a_key_it_was_asked_to_store() -> None:
+    # Full pool holding "a" (the oldest) and "b": storing ["a", "c"] needs one row.
+    # "a" is already stored, so it is skipped; evicting it for "c" would lose a chunk
+    # the same call asked to keep.
+    manager = HostBlockManager(2)
+    _store(manager, ["a"])
+    _store(manager, ["b"])
+    handle = manager.prepare_store(["a", "c"], 0)
+    assert handle is not None
+    assert handle.keys == ("c",) and handle.indices == (1,)
+    assert handle.evicted == (("b", 0),)
+    manager.complete_store(handle, success=True)
+    assert manager.lookup(["a", "b", "c"], 0) == [True, False, True]
+
+
+def test_store_of_a_prefix_keeps_the_prefix() -> None:
+    # A request stores its chunks c0..c2 while c0 is the oldest entry: it must end up
+    # with all three stored, not with c1, c2 and a hole at c0.
+    manager = HostBlockManager(3)
+    _store(manager, ["c0"])
+    _store(manager, ["x"])
+    _store(manager, ["y"])
+    handle = manager.prepare_store(["c0", "c1", "c2"], 0)
+    assert handle is not None
+    assert set(handle.evicted) == {("x", 0), ("y", 0)}
+    manager.complete_store(handle, success=True)
+    assert manager.lookup(["c0", "c1", "c2"], 0) == [True, True, True]
+
+
+def test_store_needing_its_own_keys_refuses_and_changes_nothing() -> None:
+    # One row, holding "a": storing ["a", "b"] could only get a row by evicting "a".
+    manager = HostBlockManager(1)
+    _store(manager, ["a"])
+    assert manager.prepare_store(["a", "b"], 0) is None
+    assert manager.lookup(["a", "b"], 0) == [True, False]
+    # A key of the same name in another group is a different chunk: evictable.
+    handle = manager.prepare_store(["a"], 1)
+    assert handle is not None and handle.evicted == (("a", 0),)
+
+
+def test_already_stored_keys_of_a_store_become_most_recently_used() -> None:
+    manager = HostBlockManager(3)
+    _store(manager, ["a"])
+    _store(manager, ["b"])
+    _store(manager, ["c"])
+    handle = manager.prepare_store(["a"], 0)  # nothing to write: "a" is stored
+    assert handle is not None and handle.keys == ()
+    manager.complete_store(handle, success=True)
+    # "b" is now the oldest.
+    handle = manager.prepare_store(["d"], 0)
+    assert handle is not None and handle.evicted == (("b", 0),)
+
+
+def test_key_being_loaded_is_never_evicted_by_a_store_naming_it() -> None:
+    manager = HostBlockManager(2)
+    _store(manager, ["a"])
+    _store(manager, ["b"])
+    load = manager.prepare_load(["b"], 0)
+    handle = manager.prepare_store(["b", "c"], 0)
+    assert handle is not None and handle.evicted == (("a", 0),)
+    assert handle.rows[0] not in load.rows
+    manager.complete_store(handle, success=True)
+    manager.complete_load(load)
+    assert manager.lookup(["a", "b", "c"], 0) == [False, True, True]
+
+
+def test_capacity_does_not_cost_memory() -> None:
+    # Rows are handed out from a lazily extended free list: a huge pool builds at once.
+    manager = HostBlockManager(10**15)
+    assert manager.num_rows == manager.num_free_rows == 10**15
+    handle = manager.prepare_store(["a", "b"], 0)
+    assert handle is not None and handle.rows == (0, 1)
+    assert manager.num_free_rows == 10**15 - 2
+    manager.complete_store(handle, success=False)
+    assert manager.num_free_rows == 10**15
+    manager.clear()
+    assert manager.num_free_rows == 10**15
+
+
+def test_rows_are_handed_out_in_order_then_recycled() -> None:
+    manager = HostBlockManager(4)
+    first = manager.prepare_store(["a", "b"], 0)
+    assert first is not None and first.rows == (0, 1)
+    manager.complete_store(first, success=False)  # rows 0 and 1 go back
+    second = manager.prepare_store(["c", "d", "e", "f"], 0)
+    assert second is not None and second.rows == (2, 3, 0, 1)
+    assert manager.num_free_rows == 0
+
+
+@pytest.mark.parametrize("success", ["False", "True", 0, 1, None, 1.0])
+def test_complete_store_success_must_be_a_bool(success: object) -> None:
+    manager = HostBlockManager(2)
+    handle = manager.prepare_store(["a"], 0)
+    assert handle is not None
+    with pytest.raises(TypeError, match=rf"success must be a bool, got {success!r}"):
+        manager.complete_store(handle, success=success)  # type: ignore[arg-type]
+    # Refused before anything changed: the handle is still pending and completes.
+    assert manager.lookup(["a"], 0) == [False]
+    manager.complete_store(handle, success=True)
+    assert manager.lookup(["a"], 0) == [True]
+
+
+class _YieldingKey:
+    """A chunk key whose hash gives up the GIL: any dict lookup inside the manager
+    becomes a point where another thread runs, so a missing lock shows up as a row
+    handed out twice or an IndexError instead of passing by luck."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __hash__(self) -> int:
+        time.sleep(0)
+        return hash(self.value)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _YieldingKey) and other.value == self.value
+
+    def __repr__(self) -> str:
+        return f"K{self.value}"
+
+
+def test_concurrent_callers_keep_the_books_consistent() -> None:
+    """Several threads storing, loading and completing at once: every row belongs to
+    at most one entry, a row being stored is never pinned by a load nor handed to a
+    second store, and the counts add up."""
+    num_rows = 16
+    manager = HostBlockManager(num_rows)
+    keys_pool = [_YieldingKey(i) for i in range(24)]
+    errors: list[BaseException] = []
+    pinned_rows: dict[int, int] = {}  # row -> loads in flight (judged independently)
+    storing_rows: set[int] = set()
+    books = threading.Lock()
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            for _ in range(300):
+                group = rng.randrange(2)
+                keys = rng.sample(keys_pool, rng.randint(1, 3))
+                if rng.random() < 0.5:
+                    store = manager.prepare_store(keys, group)
+                    if store is None:
+                        continue
+                    with books:
+                        for row in store.rows:
+                            assert row not in storing_rows and row not in pinned_rows, row
+                            storing_rows.add(row)
+                    time.sleep(0)
+                    with books:
+                        storing_rows.difference_update(store.rows)
+                    manager.complete_store(store, success=rng.random() < 0.8)
+                else:
+                    present = manager.lookup(keys, group)
+                    ready = [k for k, p in zip(keys, present, strict=True) if p]
+                    try:
+                        load = manager.prepare_load(ready, group)
+                    except ValueError:
+                        continue  # evicted between lookup and load by another thread
+                    with books:
+                        for row in load.rows:
+                            assert row not in storing_rows, row
+                            pinned_rows[row] = pinned_rows.get(row, 0) + 1
+                    time.sleep(0)
+                    with books:
+                        for row in load.rows:
+                            pinned_rows[row] -= 1
+                            if not pinned_rows[row]:
+                                del pinned_rows[row]
+                    manager.complete_load(load)
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, repr(errors[0])
+    rows = [manager.row_of(k, g) for g in range(2) for k in keys_pool]
+    held = [r for r in rows if r is not None]
+    assert len(held) == len(set(held)) == len(manager)
+    assert len(manager) + manager.num_free_rows == num_rows
+    manager.clear()

@@ -49,7 +49,8 @@ def test_padded_block_stride_and_views_share_memory() -> None:
 def test_row_bytes_is_the_largest_group_rounded_up() -> None:
     small = torch.zeros(4, 3, dtype=torch.uint8)
     big = torch.zeros(4, 21, dtype=torch.uint8)
-    layout = build_layout([[small], [big, big]], num_groups=2, blocks_per_chunk=2)
+    other = torch.zeros(4, 21, dtype=torch.uint8)  # two layers: two tensors
+    layout = build_layout([[small], [big, other]], num_groups=2, blocks_per_chunk=2)
     assert [p.pool_offset for p in layout.planes] == [0, 0, 48]  # 42 -> 48
     assert layout.group_row_bytes == (6, 90)
     assert layout.row_bytes == 96
@@ -100,7 +101,7 @@ def test_overlapping_blocks_and_empty_group() -> None:
     overlapping = base.as_strided((4, 8), (4, 1))
     with pytest.raises(ValueError, match="blocks would overlap"):
         build_layout([[overlapping]], num_groups=1, blocks_per_chunk=1)
-    with pytest.raises(ValueError, match="group 0 has no layers"):
+    with pytest.raises(ValueError, match="caches hold no layer in any of the 1 groups"):
         build_layout([[]], num_groups=1, blocks_per_chunk=1)
     with pytest.raises(TypeError, match="group 0 layer 0"):
         build_layout([["kv"]], num_groups=1, blocks_per_chunk=1)

@@ -7,7 +7,13 @@ from collections.abc import Sequence
 import pytest
 
 from triton_offload import GroupSpec, OffloadPlan, ParallelSpec, plan_offload
-from triton_offload.lookup import first_absent, hit_end_problem, last_present, window_run_end
+from triton_offload.lookup import (
+    first_absent,
+    hit_end_problem,
+    last_present,
+    lookup_hit_tokens,
+    window_run_end,
+)
 
 
 def bits(count: int, present: Sequence[int]) -> list[bool]:
@@ -286,6 +292,64 @@ def test_lookup_bad_input() -> None:
         plan.lookup(True, 0, present)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"num_computed_tokens must be an int, got 1.5"):
         plan.lookup(64, 1.5, present)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "row",
+    [
+        [True, True, 2, True],
+        (True, True, 2, True),
+        Plain([True, True, 2, True]),  # type: ignore[list-item]
+        bytes([1, 1, 2, 1]),
+        bytearray([1, 1, 2, 1]),
+        [True, True, "0", True],
+        [1, 1, -1, 1],
+        [True, True, None, True],
+        [True, True, [0], True],
+    ],
+)
+def test_presence_values_other_than_bools_or_0_1_are_refused(row: Sequence[object]) -> None:
+    # A truthy 2 counted as present in one scan and as absent in another, so such rows
+    # gave answers that differ from the same rows as bools.
+    plan = seed_plan()
+    with pytest.raises(TypeError, match=r"present\[1\]\[2\] is .*: presence values must be"):
+        plan.lookup(64, 0, [[True, True], row])  # type: ignore[list-item]
+
+
+@pytest.mark.parametrize("row", ["0000", "1111", None, 5, 1.5, {0: True}])
+def test_presence_rows_that_are_not_sequences_of_bools_are_refused(row: object) -> None:
+    plan = seed_plan()
+    with pytest.raises(TypeError, match=r"present\[0\] must be a sequence of bools"):
+        plan.lookup(64, 0, [row, [True] * 4])  # type: ignore[list-item]
+
+
+def test_presence_ints_0_and_1_answer_like_bools() -> None:
+    plan = seed_plan()
+    rows = [bits(2, [0, 1]), bits(4, [1, 3])]
+    as_ints = [[int(v) for v in row] for row in rows]
+    assert plan.lookup(64, 0, as_ints) == plan.lookup(64, 0, rows) == 32  # type: ignore[arg-type]
+    assert plan.lookup(64, 0, [tuple(r) for r in as_ints]) == 32  # type: ignore[misc]
+
+
+def test_presence_numpy_bools_answer_like_bools() -> None:
+    np = pytest.importorskip("numpy")
+    plan = seed_plan()
+    rows = [bits(2, [0, 1]), bits(4, [1, 3])]
+    assert plan.lookup(64, 0, [np.array(r, dtype=bool) for r in rows]) == 32
+    assert plan.lookup(64, 0, [list(np.array(r, dtype=bool)) for r in rows]) == 32
+    with pytest.raises(TypeError, match=r"present\[1\]\[3\] is .*2"):
+        plan.lookup(64, 0, [rows[0], np.array([1, 0, 1, 2], dtype=np.int8)])
+
+
+@pytest.mark.parametrize("present", [None, "11", b"\x01\x01", {0: [True], 1: [True]}])
+def test_presence_must_be_a_sequence_of_rows(present: object) -> None:
+    with pytest.raises(TypeError, match=r"present must be a sequence of presence rows"):
+        seed_plan().lookup(64, 0, present)  # type: ignore[arg-type]
+
+
+def test_lookup_function_refuses_a_plan_of_another_type() -> None:
+    with pytest.raises(TypeError, match=r"plan must be an OffloadPlan, got 'seed'"):
+        lookup_hit_tokens("seed", 64, 0, [[True]])  # type: ignore[arg-type]
 
 
 def test_empty_request() -> None:

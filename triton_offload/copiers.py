@@ -33,7 +33,7 @@ import torch
 from triton_offload import cpu_copy
 from triton_offload.batch_copy import BatchCopy
 from triton_offload.jobs import PairTable, validate_pairs
-from triton_offload.layout import CacheLayout, check_int
+from triton_offload.layout import CacheLayout, check_int, check_pool_placement
 
 #: Pinned staging buffers kept for pair tables; more in-flight jobs than this wait
 #: for the oldest buffer's job to finish before reusing it.
@@ -469,6 +469,7 @@ def copy_blocks(
         raise ValueError(f"pool rows overlap: strides {pool.stride()}, rows of {pool.size(1)}")
     if not _same_device(pool.device, layout.device):
         raise ValueError(f"pool is on {pool.device}, the layout on {layout.device}")
+    check_pool_placement(pool, layout)
     validate_pairs(layout, pool.size(0), pairs, group_offsets, direction)
     if num_programs is not None:
         num_programs = check_int("num_programs", num_programs, 1)

@@ -32,6 +32,7 @@ table; the caller must have validated the pairs (the copies here trust them).
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import ctypes
 import threading
 from collections.abc import Iterator, Sequence
@@ -285,6 +286,7 @@ def copy_pages(
     threads = copy_threads()
     if (
         threads > 1
+        and job.lengths.size > 0
         and job.page_bytes >= PARALLEL_MIN_JOB_BYTES
         and job.page_bytes >= PARALLEL_MIN_RUN_BYTES * job.lengths.size
     ):
@@ -300,9 +302,21 @@ def copy_pages(
         ]
         helpers = _helpers(threads - 1)
         futures = [helpers.submit(_memmove_all, *share) for share in shares[1:]]
-        _memmove_all(*shares[0])
+        try:
+            _memmove_all(*shares[0])
+        except BaseException:
+            # Whatever stopped this thread's share (KeyboardInterrupt included), no
+            # helper may still be writing when the job is reported failed: its late
+            # writes would overwrite a later store into the same rows. Shares not
+            # started yet are cancelled; running ones are waited for.
+            for future in futures:
+                future.cancel()
+            concurrent.futures.wait(futures)
+            raise
+        # Every share must finish (also when one of them failed) before this returns.
+        concurrent.futures.wait(futures)
         for future in futures:
-            future.result()
+            future.result()  # a helper's error fails the job
     else:
         _memmove_all(job.targets.tolist(), job.sources.tolist(), job.lengths.tolist())
     return job.page_bytes

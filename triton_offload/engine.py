@@ -30,12 +30,32 @@ leaves their results to ``get_finished``. ``submit_*`` returns True when the job
 accepted (its result will be reported, with ``success=False`` if it failed while
 running) and False once ``shutdown()`` was called; bad input raises ValueError or
 TypeError before anything is enqueued.
+
+Threads: ``submit_store``, ``submit_load``, ``get_finished``, ``wait`` and
+``shutdown`` may be called from different threads (a lock guards the job books).
+Every accepted job is reported exactly once, and only after its bytes landed (CUDA:
+its end event completed; CPU: its copy returned, helper threads included). On CPU one
+job per direction copies at a time, outside the lock, so ``get_finished`` does not
+wait for a copy. ``wait`` on an id another thread already reported raises ValueError.
+
+Failures: a job interrupted by any exception, ``KeyboardInterrupt`` included, is
+reported ``success=False``; an ``Exception`` is logged, anything else propagates from
+the submit after the job was marked failed. A failed job has stopped writing when it
+is reported.
+
+Caches: the engine keeps raw addresses. Each registered tensor's data pointer and
+storage size are compared with their values at construction on every submit; after a
+``resize_``, ``set_`` or a freed storage the job is refused naming the plane. Groups
+may alias memory; a load whose destination pages share bytes is refused. A group with
+no layers (a pipeline stage holding none of its layers) is valid: its pairs move
+nothing and count no bytes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 import weakref
 from collections import deque
@@ -62,7 +82,15 @@ from triton_offload.jobs import (
     PairTable,
     pair_table,
 )
-from triton_offload.layout import CacheLayout, Layer, build_layout, pool_plane_view
+from triton_offload.layout import (
+    CacheLayout,
+    Layer,
+    build_layout,
+    check_int,
+    check_pool_placement,
+    pool_plane_view,
+)
+from triton_offload.plan import OffloadPlan
 from triton_offload.pool import (
     DEFAULT_PIECE_BYTES,
     HostPool,
@@ -122,6 +150,8 @@ class _Job:
     start: Any = None  # torch.cuda.Event
     end: Any = None  # torch.cuda.Event
     holds: JobHolds = field(default_factory=JobHolds)
+    # Set once the copy returned or failed (CPU) or was enqueued (CUDA: end recorded).
+    finished: threading.Event = field(default_factory=threading.Event)
 
     def done(self) -> bool:
         return self.end is None or bool(self.end.query())
@@ -146,21 +176,28 @@ def _path_name(assignment: Assignment) -> str:
 class TransferEngine:
     """Stores and loads cache blocks; see the module docstring for the job semantics.
 
+    Every argument is checked here, with an error naming it; see the module docstring
+    for the thread-safety contract and failure semantics.
+
     Args:
         plan: an ``OffloadPlan`` (uses ``plan.groups`` and ``plan.blocks_per_chunk``).
         caches: ``caches[g]`` lists group g's layers; a layer is a tensor whose dim 0
-            is the block dimension or a tuple of such tensors.
-        num_host_blocks: rows of the host pool (one chunk of one group per row).
+            is the block dimension or a tuple of such tensors. A group may list no
+            layer; two planes of one group may not share bytes.
+        num_host_blocks: rows of the host pool (one chunk of one group per row); an
+            allocated pool must fit in the host's memory.
         device: where the caches live; inferred from them when None.
         backend: "auto", "triton", "dma" or "torch".
         pool: optional caller-provided pool, uint8 ``[num_host_blocks, row_bytes]``
             with contiguous rows (``stride(1) == 1``) spaced ``stride(0) >= row_bytes``
-            bytes apart (pinned when CUDA is used); allocated when None.
+            bytes apart (pinned when CUDA is used), on the host or the caches' GPU and
+            sharing no byte with a cache; allocated when None.
         stream_priority: priority of the two transfer streams (CUDA).
         crossover: DMA/Triton switch for "auto" on CUDA: page bytes at or above
             which DMA is used, as an int or ``{"store": int, "load": int}``;
             measured at start-up when None.
-        num_programs: grid size for the Triton kernel (default: the launcher's).
+        num_programs: grid size for the Triton kernel, an int >= 1 (default: the
+            launcher's).
         pool_piece_bytes: size of each ``cudaHostRegister`` call for the pool.
         path_choice: for "auto": ``"plane"`` (each plane by its own best copier) or
             ``"job"`` (one copier per job, from the job's mean page size).
@@ -189,10 +226,15 @@ class TransferEngine:
             raise TypeError(f"num_host_blocks must be an int, got {num_host_blocks!r}")
         if num_host_blocks < 1:
             raise ValueError(f"num_host_blocks {num_host_blocks} must be >= 1")
-        if num_programs is not None and (
-            isinstance(num_programs, bool) or not isinstance(num_programs, int) or num_programs < 1
-        ):
-            raise ValueError(f"num_programs {num_programs!r} must be an int >= 1")
+        if num_programs is not None:
+            # Checked on every backend: 0 or -3 launched an empty grid on the kernel path
+            # (every job "succeeded", nothing moved) and "4" failed every job later.
+            num_programs = check_int("num_programs", num_programs, 1)
+        if not isinstance(plan, OffloadPlan):
+            raise TypeError(
+                f"plan must be an OffloadPlan (from plan_offload), got {type(plan).__name__} "
+                f"{plan!r:.60}"
+            )
         configured_crossover = parse_crossover(crossover)
         num_groups = len(plan.groups)
         self.plan = plan
@@ -246,6 +288,7 @@ class TransferEngine:
                 self._pool = wrap_pool(
                     pool, rows=num_host_blocks, row_bytes=self.row_bytes, cuda=self.cuda
                 )
+                check_pool_placement(self._pool.tensor, self.layout)
         self.pool: torch.Tensor = self._pool.tensor
         self.pool_address: int = self._pool.device_address
         #: Bytes between pool rows: the pool tensor's stride(0), >= row_bytes.
@@ -257,8 +300,15 @@ class TransferEngine:
 
         self._active: dict[Hashable, _Job] = {}
         self._queues: dict[int, deque[_Job]] = {TO_POOL: deque(), FROM_POOL: deque()}
-        self._finished: deque[_Job] = deque()  # CPU: completed in submit order
+        self._finished: deque[_Job] = deque()  # CPU: completed, in completion order
         self._closed = False
+        # Guards the job books (_active, _queues, _finished, _closed) and, on CUDA, the
+        # enqueue of a job together with its place in the FIFO queue. Reentrant: the
+        # calibration submits jobs through _submit.
+        self._lock = threading.RLock()
+        # CPU: one job per direction copies at a time (the CUDA streams' FIFO order);
+        # copies run outside _lock so that get_finished never waits for a copy.
+        self._copy_locks = {TO_POOL: threading.Lock(), FROM_POOL: threading.Lock()}
         self.last_job_table: PairTable | None = None
         self.last_job_backend: str | None = None
         self.last_job_assignment: Assignment | None = None
@@ -385,24 +435,28 @@ class TransferEngine:
             hash(job_id)
         except TypeError:
             raise ValueError(f"job id {job_id!r} is not hashable") from None
-        if job_id in self._active:
-            raise ValueError(f"job id {job_id!r} is already in flight")
+        # A reallocated cache would be read or written through stale addresses.
+        self.layout.check_sources()
         table = self.build_job_table(spec, direction)
         counts = [blocks.size for blocks in spec.gpu_blocks]
         size = sum(c * b for c, b in zip(counts, self._bytes_per_block, strict=True))
         if assignment is None:
             assignment = self.policy.assign(direction, counts)
-        self.last_job_table = table
-        self.last_job_assignment = assignment
-        self.last_job_backend = _path_name(assignment)
         job = _Job(job_id, direction, assignment, size)
-        self._active[job_id] = job
-        if self.cuda:
-            self._queues[direction].append(job)
-            self._run_cuda(job, table)
-        else:
-            self._finished.append(job)
-            self._run_cpu(job, table)
+        with self._lock:
+            if self._closed:
+                return False
+            if job_id in self._active:
+                raise ValueError(f"job id {job_id!r} is already in flight")
+            self._active[job_id] = job
+            self.last_job_table = table
+            self.last_job_assignment = assignment
+            self.last_job_backend = _path_name(assignment)
+            if self.cuda:
+                self._queues[direction].append(job)
+                self._run_cuda(job, table)
+                return True
+        self._run_cpu(job, table)
         return True
 
     def _prepare(self, job: _Job, table: PairTable, stream: Any) -> list[Callable[[], None]]:
@@ -412,15 +466,26 @@ class TransferEngine:
         ]
 
     def _run_cpu(self, job: _Job, table: PairTable) -> None:
+        """Copy now; the job is reported (queued for get_finished) only after its copy
+        returned or failed, and a copy interrupted by any exception, KeyboardInterrupt
+        included, is reported ``success=False`` before the exception propagates."""
         try:
-            runs = self._prepare(job, table, None)
-            start = time.perf_counter()
-            for run in runs:
-                run()
-            job.transfer_time = time.perf_counter() - start
-        except Exception:
-            logger.exception("%s job %r failed", DIRECTION_NAMES[job.direction], job.job_id)
+            with self._copy_locks[job.direction]:
+                runs = self._prepare(job, table, None)
+                start = time.perf_counter()
+                for run in runs:
+                    run()
+                job.transfer_time = time.perf_counter() - start
+        except BaseException as error:
             job.success = False
+            if isinstance(error, Exception):
+                logger.exception("%s job %r failed", DIRECTION_NAMES[job.direction], job.job_id)
+            else:
+                raise
+        finally:
+            with self._lock:
+                self._finished.append(job)
+            job.finished.set()
 
     def _run_cuda(self, job: _Job, table: PairTable) -> None:
         stream = self._streams[job.direction]
@@ -439,24 +504,30 @@ class TransferEngine:
                 for run in runs:
                     run()
                 job.end.record(stream)
-        except Exception:
-            logger.exception("%s job %r failed", DIRECTION_NAMES[job.direction], job.job_id)
+        except BaseException as error:
             job.success = False
             # Whatever was enqueued still runs; the job counts as finished after it.
             job.end.record(stream)
+            if isinstance(error, Exception):
+                logger.exception("%s job %r failed", DIRECTION_NAMES[job.direction], job.job_id)
+            else:
+                raise
         finally:
             job.holds.release_after(job.end)
+            job.finished.set()
 
     def _run_now(self, spec: JobSpec, direction: int, assignment: Assignment) -> TransferResult:
         """Run one job with a forced assignment and wait for it (calibration); not reported."""
         job_id = ("calibration", object())
         self._submit(job_id, spec, direction, assignment)
-        job = self._active.pop(job_id)
+        with self._lock:
+            job = self._active.pop(job_id)
+            if self.cuda:
+                self._queues[direction].remove(job)
+            else:
+                self._finished.remove(job)
         if self.cuda:
             job.end.synchronize()
-            self._queues[direction].remove(job)
-        else:
-            self._finished.remove(job)
         job.holds.keep_alive.clear()
         result = job.result()
         if not result.success:
@@ -466,39 +537,56 @@ class TransferEngine:
     # ------------------------------------------------------------------ finish
 
     def get_finished(self) -> list[TransferResult]:
-        """Results of jobs finished since the last call, FIFO per direction; never blocks."""
+        """Results of jobs finished since the last call, FIFO per direction; never blocks.
+
+        Each accepted job is reported exactly once, and only after its bytes landed
+        (CUDA: its end event completed; CPU: its copy returned).
+        """
         done: list[_Job] = []
-        if self.cuda:
-            for queue in self._queues.values():
-                while queue and queue[0].done():
-                    done.append(queue.popleft())
-        else:
-            done.extend(self._finished)
-            self._finished.clear()
+        with self._lock:
+            if self.cuda:
+                for queue in self._queues.values():
+                    while queue and queue[0].done():
+                        done.append(queue.popleft())
+            else:
+                done.extend(self._finished)
+                self._finished.clear()
+            for job in done:
+                del self._active[job.job_id]
         results = []
         for job in done:
-            del self._active[job.job_id]
             job.holds.keep_alive.clear()
             results.append(job.result())
         return results
 
     def wait(self, job_ids: Iterable[Hashable]) -> None:
-        """Block until the given jobs finished (their results stay for get_finished)."""
+        """Block until the given jobs finished (their results stay for get_finished).
+
+        ValueError for an id that is not in flight (unknown, or already reported: with
+        another thread polling ``get_finished`` that can happen at any time).
+        """
         ids = list(job_ids)
-        for job_id in ids:
-            if job_id not in self._active:
-                raise ValueError(f"job id {job_id!r} is unknown or already reported")
-        for job_id in ids:
-            job = self._active[job_id]
+        with self._lock:
+            jobs = []
+            for job_id in ids:
+                job = self._active.get(job_id)
+                if job is None:
+                    raise ValueError(f"job id {job_id!r} is unknown or already reported")
+                jobs.append(job)
+        for job in jobs:
+            job.finished.wait()
             if job.end is not None:
                 job.end.synchronize()
 
     def shutdown(self) -> None:
         """Wait for running jobs, then release the pool's page locks; idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self._finalizer()
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        # No copy may still run when the pool is released (CPU copies hold these).
+        with self._copy_locks[TO_POOL], self._copy_locks[FROM_POOL]:
+            self._finalizer()
 
     def __enter__(self) -> TransferEngine:
         return self

@@ -23,9 +23,10 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from triton_offload.layout import CacheLayout
+from triton_offload.layout import CacheLayout, pages_meet
 
 _INT64_MAX = (1 << 63) - 1
+_BOOL_TYPES = frozenset((bool, np.bool_))
 
 
 class Direction(enum.IntEnum):
@@ -46,6 +47,12 @@ def _ids(values: Any, what: str, kind: str, group: int) -> np.ndarray:
         raise TypeError(f"{what} must be a sequence of integer ids, got {values!r}")
     if isinstance(values, torch.Tensor):
         values = values.detach().cpu().numpy()
+    elif isinstance(values, (list, tuple)) and not _BOOL_TYPES.isdisjoint(map(type, values)):
+        # np.asarray([True, 7]) is the int array [1, 7]: True would name block 1.
+        index = next(i for i, v in enumerate(values) if type(v) in _BOOL_TYPES)
+        raise TypeError(
+            f"{what} must hold integer ids, got bool {values[index]!r} at index {index}"
+        )
     fresh = not isinstance(values, np.ndarray)  # a list becomes a new array: no copy needed
     array = np.asarray(values)
     if array.size == 0:
@@ -235,7 +242,7 @@ def pair_table(
     # Ranges hold by construction; what is left is two pairs writing one page.
     if pairs.shape[0]:
         groups = np.repeat(np.arange(layout.num_groups, dtype=np.int64), counts)
-        _check_destinations(layout, pool_rows, pairs, groups, direction)
+        _check_destinations(layout, pool_rows, pairs, groups, offsets, direction)
     return PairTable(pairs, offsets)
 
 
@@ -290,14 +297,18 @@ def _small_pair_table(
             i = seen.setdefault((group, row[1], row[2]), j)
             if i != j:
                 raise ValueError(_pool_clash(i, j, row[1], row[2], group))
-        shared, column, what = layout.pool_shared_groups, 1, "pool row"
     else:
         seen_blocks: dict[tuple[int, int], int] = {}
         for j, (row, group) in enumerate(zip(rows, groups, strict=True)):
             i = seen_blocks.setdefault((group, row[0]), j)
             if i != j:
                 raise ValueError(_cache_clash(i, j, row[0], group))
-        shared, column, what = layout.cache_alias_groups, 0, "GPU block id"
+        pairs = np.array(rows, dtype=np.int64).reshape(-1, 3)
+        offset_array = np.array(offsets, dtype=np.int64)
+        # Groups aliasing cache memory meet by byte range, not by equal block ids.
+        _check_cache_aliasing(layout, pairs, offset_array)
+        return PairTable(pairs, offset_array)
+    shared, column, what = layout.pool_shared_groups, 1, "pool row"
     if shared:
         writers: dict[int, set[int]] = {}
         for row, group in zip(rows, groups, strict=True):
@@ -351,6 +362,57 @@ def _first_duplicate(
     seconds = order[repeated + 1]
     k = int(np.argmin(seconds))
     return int(order[repeated[k]]), int(seconds[k])
+
+
+def _check_cache_aliasing(layout: CacheLayout, table: np.ndarray, offsets: np.ndarray) -> None:
+    """ValueError if two groups of a load write the same cache bytes, by byte range.
+
+    Hybrid allocators let groups alias one tensor, also with another block size or a
+    shifted view (``x`` and ``x[1:]``): equal block ids are neither needed nor enough for
+    a clash. Each plane pair that shares bytes (``layout.alias_rules``) is checked on the
+    job's blocks only: with equal block strides by the block offsets that meet (a set
+    lookup), otherwise by sorting one side's pages (``pages_meet``).
+    """
+    for rule in layout.alias_rules:
+        lo_a, hi_a = int(offsets[rule.group_a]), int(offsets[rule.group_a + 1])
+        lo_b, hi_b = int(offsets[rule.group_b]), int(offsets[rule.group_b + 1])
+        if lo_a == hi_a or lo_b == hi_b:
+            continue
+        a_blocks, b_blocks = table[lo_a:hi_a, 0], table[lo_b:hi_b, 0]
+        plane_a, plane_b = layout.planes[rule.plane_a], layout.planes[rule.plane_b]
+        found = -1
+        if rule.offsets is not None:
+            # Sorted b and one searchsorted per offset: a few us where np.isin costs tens.
+            b_sorted = np.sort(b_blocks)
+            for shift in range(rule.offsets[0], rule.offsets[1] + 1):
+                wanted = a_blocks + shift
+                at = np.minimum(np.searchsorted(b_sorted, wanted), b_sorted.size - 1)
+                hit = b_sorted[at] == wanted
+                if hit.any():
+                    found = int(np.argmax(hit))
+                    other = int(a_blocks[found]) + shift
+                    break
+        else:
+            found = pages_meet(plane_a, a_blocks, plane_b, b_blocks)
+            if found >= 0:
+                start = plane_a.base_address + int(a_blocks[found]) * plane_a.block_stride
+                end = start + plane_a.page_bytes
+                b_starts = plane_b.base_address + b_blocks * plane_b.block_stride
+                meets = (b_starts < end) & (b_starts + plane_b.page_bytes > start)
+                other = int(b_blocks[np.argmax(meets)])
+        if found < 0:
+            continue
+        block = int(a_blocks[found])
+        where = f"({plane_a.name} and {plane_b.name})"
+        if block == other:
+            raise ValueError(
+                f"GPU block id {block} is written by groups {rule.group_a} and "
+                f"{rule.group_b}, whose planes share those bytes {where}"
+            )
+        raise ValueError(
+            f"GPU block id {block} of group {rule.group_a} and GPU block id {other} of group "
+            f"{rule.group_b} write the same bytes {where}"
+        )
 
 
 def validate_pairs(
@@ -410,7 +472,7 @@ def validate_pairs(
                 f"{name} {values[i]} at pair {i} (group {groups[i]}) out of range [0, {limit[i]})"
             )
 
-    _check_destinations(layout, pool_rows, table, groups, direction)
+    _check_destinations(layout, pool_rows, table, groups, offsets, direction)
 
 
 def _check_destinations(
@@ -418,6 +480,7 @@ def _check_destinations(
     pool_rows: int,
     table: np.ndarray,
     groups: np.ndarray,
+    offsets: np.ndarray,
     direction: Direction,
 ) -> None:
     """ValueError when two pairs write one destination page (vectorized, O(n log n))."""
@@ -429,13 +492,16 @@ def _check_destinations(
         if clash is not None:
             i, j = clash
             raise ValueError(_pool_clash(i, j, table[j, 1], table[j, 2], groups[j]))
-        shared, column, what = layout.pool_shared_groups, 1, "pool row"
     else:
         clash = _first_duplicate(groups, table[:, 0], int(table[:, 0].max()) + 1)
         if clash is not None:
             i, j = clash
             raise ValueError(_cache_clash(i, j, table[j, 0], groups[j]))
-        shared, column, what = layout.cache_alias_groups, 0, "GPU block id"
+        # Planes of one group never share bytes (refused by the layout) and one plane's
+        # blocks never overlap, so only groups that alias cache memory can collide.
+        _check_cache_aliasing(layout, table, offsets)
+        return
+    shared, column, what = layout.pool_shared_groups, 1, "pool row"
     if not shared:
         return
     num_groups = layout.num_groups

@@ -23,6 +23,7 @@ planes (``CacheLayout.from_planes``) lives here too; this module imports no Trit
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -116,17 +117,136 @@ class Plane:
         )
 
 
+def _extent(plane: Plane) -> tuple[int, int]:
+    """First and one-past-last byte any page of ``plane`` covers."""
+    return (
+        plane.base_address,
+        plane.base_address + (plane.num_blocks - 1) * plane.block_stride + plane.page_bytes,
+    )
+
+
+def block_offsets(a: Plane, b: Plane) -> tuple[int, int] | None:
+    """For planes of one block stride: the range ``[lo, hi]`` of ``d`` such that block
+    ``x`` of ``a`` and block ``x + d`` of ``b`` share bytes, or None when no such pair of
+    existing blocks does (or the strides differ).
+
+    Block ``x`` of ``a`` is ``[A + x s, A + x s + pa)``, block ``y`` of ``b`` is ``[B + y s,
+    B + y s + pb)``: they meet iff ``A - B - pb < (y - x) s < A - B + pa``.
+    """
+    stride = a.block_stride
+    if b.block_stride != stride:
+        return None
+    delta = a.base_address - b.base_address
+    lo = (delta - b.page_bytes) // stride + 1
+    hi = -((-(delta + a.page_bytes)) // stride) - 1
+    # Only offsets that pair existing blocks: 0 <= x < na and 0 <= x + d < nb.
+    lo, hi = max(lo, 1 - a.num_blocks), min(hi, b.num_blocks - 1)
+    return (lo, hi) if lo <= hi else None
+
+
+def pages_meet(a: Plane, a_blocks: np.ndarray, b: Plane, b_blocks: np.ndarray) -> int:
+    """Index into ``a_blocks`` of the first page of ``a`` that shares a byte with a page of
+    ``b`` among ``b_blocks`` (any block strides), or -1. Pages of one plane never overlap,
+    so ``b``'s pages sorted by start are sorted by end too: one ``searchsorted``."""
+    if not a_blocks.size or not b_blocks.size:
+        return -1
+    starts = a.base_address + a_blocks.astype(np.int64) * a.block_stride
+    b_starts = np.sort(b.base_address + b_blocks.astype(np.int64) * b.block_stride)
+    b_ends = b_starts + b.page_bytes
+    # First page of b ending after each page of a starts; it overlaps iff it starts
+    # before that page of a ends.
+    first = np.searchsorted(b_ends, starts, side="right")
+    inside = first < b_starts.size
+    hit = np.zeros(starts.size, dtype=bool)
+    hit[inside] = b_starts[first[inside]] < starts[inside] + a.page_bytes
+    return int(np.argmax(hit)) if hit.any() else -1
+
+
 def planes_overlap(a: Plane, b: Plane) -> bool:
-    """Whether some page of plane ``a`` shares a byte with some page of plane ``b``."""
-    a_end = a.base_address + (a.num_blocks - 1) * a.block_stride + a.page_bytes
-    b_end = b.base_address + (b.num_blocks - 1) * b.block_stride + b.page_bytes
-    if a_end <= b.base_address or b_end <= a.base_address:
+    """Whether some page of plane ``a`` shares a byte with some page of plane ``b`` (exact).
+
+    Equal block strides: the closed form of :func:`block_offsets`. Different strides
+    (two block sizes over the same memory): every block of ``a`` inside ``b``'s extent
+    is checked against ``b``'s pages, vectorized.
+    """
+    a_start, a_end = _extent(a)
+    b_start, b_end = _extent(b)
+    if a_end <= b_start or b_end <= a_start:
         return False
-    if a.block_stride != b.block_stride or a.num_blocks == 1 or b.num_blocks == 1:
-        return True  # conservative: interleaved planes of different strides count as aliasing
-    # Equal strides: pages repeat with the same period; compare one period.
-    shift = (b.base_address - a.base_address) % a.block_stride
-    return shift < a.page_bytes or shift > a.block_stride - b.page_bytes
+    if a.block_stride == b.block_stride:
+        return block_offsets(a, b) is not None
+    lo = max(0, (b_start - a_start - a.page_bytes) // a.block_stride)
+    hi = min(a.num_blocks, (b_end - a_start) // a.block_stride + 1)
+    candidates = np.arange(lo, hi, dtype=np.int64)
+    return pages_meet(a, candidates, b, np.arange(b.num_blocks, dtype=np.int64)) >= 0
+
+
+def overlapping_plane_pairs(planes: Sequence[Plane]) -> list[tuple[int, int]]:
+    """Index pairs ``(i, j)``, ``i < j``, of planes that share a byte (exact).
+
+    Sorted by first byte, each plane is compared only with the planes that start before
+    it ends: O(P log P) for the usual disjoint caches instead of all P^2 pairs.
+    """
+    order = sorted(range(len(planes)), key=lambda i: _extent(planes[i])[0])
+    extents = [_extent(p) for p in planes]
+    found: list[tuple[int, int]] = []
+    for position, i in enumerate(order):
+        end = extents[i][1]
+        for j in order[position + 1 :]:
+            if extents[j][0] >= end:
+                break
+            if planes_overlap(planes[i], planes[j]):
+                found.append((min(i, j), max(i, j)))
+    return sorted(found)
+
+
+@dataclass(frozen=True)
+class AliasRule:
+    """How one plane of group ``group_a`` and one of group ``group_b`` share bytes.
+
+    With equal block strides, block ``x`` of ``plane_a`` meets block ``x + d`` of
+    ``plane_b`` exactly for ``d`` in ``offsets`` (``[lo, hi]``); one rule stands for
+    every plane pair of the two groups with the same offsets (the first such pair names
+    the planes in errors). Otherwise ``offsets`` is None and a job's pages of the two
+    planes are compared by byte range.
+    """
+
+    group_a: int
+    plane_a: int
+    group_b: int
+    plane_b: int
+    offsets: tuple[int, int] | None
+
+
+@dataclass(frozen=True, eq=False)
+class CacheSource:
+    """A registered cache tensor and what its memory was at registration.
+
+    ``check`` notices ``resize_``/``set_``/storage resizing after registration: the
+    planes hold raw addresses, and a reallocated tensor leaves them pointing at freed
+    memory (or, after ``set_``, at memory the caller no longer uses).
+    """
+
+    tensor: torch.Tensor
+    name: str
+    data_ptr: int
+    storage: torch.UntypedStorage
+    storage_bytes: int
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor, name: str) -> CacheSource:
+        storage = tensor.untyped_storage()
+        return cls(tensor, name, tensor.data_ptr(), storage, storage.nbytes())
+
+    def check(self) -> None:
+        pointer, size = self.tensor.data_ptr(), self.storage.nbytes()
+        if pointer != self.data_ptr or size != self.storage_bytes:
+            raise ValueError(
+                f"{self.name} was reallocated or resized after the engine was built "
+                f"(data pointer {self.data_ptr:#x} -> {pointer:#x}, storage "
+                f"{self.storage_bytes} -> {size} bytes): its planes would address freed "
+                "memory; build a new engine for the new tensor"
+            )
 
 
 @dataclass(frozen=True)
@@ -137,10 +257,14 @@ class CacheLayout:
     ``row_bytes`` (what one pool row holds) is at least their maximum (rounded up to
     16 by :func:`build_layout`). ``bytes_per_block[g]`` is the number of bytes one GPU
     block of group ``g`` moves (the sum of the page bytes of g's planes). Groups may
-    alias the same cache memory (hybrid allocators share tensors across groups): the
-    same block id in two groups of ``cache_alias_groups`` names the same bytes, and
-    two groups of ``pool_shared_groups`` use the same bytes of a row. The layout
-    stores addresses only: the caller keeps the cache tensors alive while it is used.
+    alias the same cache memory (hybrid allocators share tensors across groups, also
+    with other block sizes or shifted views): ``cache_alias_groups`` lists the group
+    pairs with planes that share bytes and ``alias_rules`` says how, per plane pair
+    (jobs are checked by byte range with them); two groups of ``pool_shared_groups``
+    use the same bytes of a row. Two planes of one group never share a byte (refused:
+    a load would write those bytes twice). ``sources`` are the registered tensors
+    (from :func:`build_layout`; empty for bare planes): the layout stores addresses,
+    so :meth:`check_sources` refuses to go on once one of them was reallocated.
     """
 
     planes: tuple[Plane, ...]
@@ -154,6 +278,14 @@ class CacheLayout:
     device: torch.device
     cache_alias_groups: tuple[tuple[int, int], ...] = ()
     pool_shared_groups: tuple[tuple[int, int], ...] = ()
+    alias_rules: tuple[AliasRule, ...] = ()
+    sources: tuple[CacheSource, ...] = field(default=(), compare=False, repr=False)
+
+    def check_sources(self) -> None:
+        """ValueError naming the first plane whose tensor was reallocated or resized
+        since registration (one pointer and one size comparison per tensor)."""
+        for source in self.sources:
+            source.check()
 
     @classmethod
     def from_planes(
@@ -226,18 +358,35 @@ class CacheLayout:
                         f"(ending at byte {end}) in the rows of group {group}"
                     )
         cache_alias: set[tuple[int, int]] = set()
+        rules: list[AliasRule] = []
+        seen_offsets: set[tuple[int, int, tuple[int, int]]] = set()
+        for i, j in overlapping_plane_pairs(planes):
+            a, b = planes[i], planes[j]
+            if a.group == b.group:
+                # A load of one block would write these bytes twice (once per plane), and
+                # which write lands last is up to the copier.
+                raise ValueError(
+                    f"plane {j} ({b.name}) overlaps plane {i} ({a.name}): two planes of "
+                    "one group may not share cache bytes"
+                )
+            cache_alias.add((a.group, b.group))
+            offsets = block_offsets(a, b)
+            if offsets is not None:
+                # Layer pairs of two groups sharing tensors all meet at the same block
+                # offsets: one rule checks them all (a job costs one lookup per rule).
+                if (a.group, b.group, offsets) in seen_offsets:
+                    continue
+                seen_offsets.add((a.group, b.group, offsets))
+            rules.append(AliasRule(a.group, i, b.group, j, offsets))
         pool_shared: set[tuple[int, int]] = set()
         for i, a in enumerate(planes):
             for b in planes[i + 1 :]:
                 if a.group == b.group:
                     continue
-                pair = (min(a.group, b.group), max(a.group, b.group))
-                if planes_overlap(a, b):
-                    cache_alias.add(pair)
                 a_end = a.pool_offset + blocks_per_chunk * a.page_bytes
                 b_end = b.pool_offset + blocks_per_chunk * b.page_bytes
                 if a.pool_offset < b_end and b.pool_offset < a_end:
-                    pool_shared.add(pair)
+                    pool_shared.add((min(a.group, b.group), max(a.group, b.group)))
         return cls(
             planes=planes,
             num_groups=num_groups,
@@ -259,7 +408,46 @@ class CacheLayout:
             device=torch.device(device),
             cache_alias_groups=tuple(sorted(cache_alias)),
             pool_shared_groups=tuple(sorted(pool_shared)),
+            alias_rules=tuple(rules),
         )
+
+
+def check_pool_placement(pool: torch.Tensor, layout: CacheLayout) -> None:
+    """ValueError unless a caller's pool is reachable and shares no byte with a cache.
+
+    A pool on another device than the caches (a CUDA pool for CPU caches, another GPU)
+    cannot be addressed by the copies; a pool that is a view of cache memory would have
+    stores write into the cache. The pool is compared as one more plane (rows of
+    ``row_bytes``, ``row_stride`` apart) with every cache plane, byte-exactly.
+    """
+    device = layout.device
+    other_gpu = (
+        pool.device.index is not None
+        and device.index is not None
+        and pool.device.index != device.index
+    )
+    if pool.device.type == "cuda" and (device.type != "cuda" or other_gpu):
+        raise ValueError(
+            f"pool is on {pool.device} but the caches are on {device}: a device pool must "
+            "live on the caches' GPU (or give a pinned host pool)"
+        )
+    if pool.device.type != device.type:
+        return  # host pool, device caches: separate memories
+    rows, row_bytes = pool.shape
+    pool_plane = Plane(
+        group=0,
+        base_address=pool.data_ptr(),
+        block_stride=int(pool.stride(0)) if rows > 1 else row_bytes,
+        page_bytes=row_bytes,
+        num_blocks=rows,
+        pool_offset=0,
+    )
+    for plane in layout.planes:
+        if planes_overlap(pool_plane, plane):
+            raise ValueError(
+                f"pool [{pool_plane.base_address:#x}, +{rows} rows of {row_bytes} bytes) "
+                f"overlaps {plane.name}: a store would write into the cache"
+            )
 
 
 def _plane_tensors(layer: Any, group: int, layer_index: int) -> list[torch.Tensor]:
@@ -324,10 +512,10 @@ def build_layout(
 ) -> CacheLayout:
     """Turn ``caches[g][layer]`` into planes and the plane-major pool row layout.
 
-    Raises ValueError naming the group/layer for a wrong number of groups, a group
-    without layers, a plane whose per-block bytes are not contiguous, overlapping
-    blocks, planes of one group with different block counts, or tensors on
-    different devices.
+    Raises ValueError naming the group/layer for a wrong number of groups, no layer in
+    any group, a tensor with 0 blocks, a plane whose per-block bytes are not
+    contiguous, overlapping blocks, planes of one group with different block counts or
+    sharing bytes, or tensors on different devices. A group without layers is valid.
     """
     if isinstance(caches, torch.Tensor) or not isinstance(caches, Sequence):
         raise TypeError(f"caches must be a sequence (one entry per group), got {type(caches)}")
@@ -336,6 +524,7 @@ def build_layout(
     if blocks_per_chunk < 1:
         raise ValueError(f"blocks_per_chunk {blocks_per_chunk} must be >= 1")
     planes: list[Plane] = []
+    sources: list[CacheSource] = []
     group_row_bytes: list[int] = []
     device: torch.device | None = None
     first_name = ""
@@ -344,8 +533,8 @@ def build_layout(
             raise TypeError(
                 f"caches[{group}] must be a sequence of layers, got {type(layers).__name__}"
             )
-        if len(layers) == 0:
-            raise ValueError(f"group {group} has no layers")
+        # A group may hold no layer here: a pipeline stage that holds none of that
+        # group's layers still takes part in every job (its pairs move nothing).
         num_blocks: int | None = None
         offset = 0
         for layer_index, layer in enumerate(layers):
@@ -360,6 +549,11 @@ def build_layout(
                     )
                 page_bytes = _page_bytes(tensor, name)
                 blocks = tensor.size(0)
+                if blocks == 0:
+                    raise ValueError(
+                        f"{name} has 0 blocks (shape {tuple(tensor.shape)}); a cache tensor "
+                        "needs at least one block"
+                    )
                 if num_blocks is None:
                     num_blocks = blocks
                 elif blocks != num_blocks:
@@ -387,17 +581,21 @@ def build_layout(
                         view=byte_view(tensor, block_stride, page_bytes),
                     )
                 )
+                sources.append(CacheSource.of(tensor, name))
                 offset += blocks_per_chunk * page_bytes
-        assert num_blocks is not None
         group_row_bytes.append(offset)
-    assert device is not None
-    return CacheLayout.from_planes(
+    if device is None:
+        raise ValueError(
+            f"caches hold no layer in any of the {num_groups} groups: nothing to offload"
+        )
+    layout = CacheLayout.from_planes(
         planes,
         num_groups=num_groups,
         blocks_per_chunk=blocks_per_chunk,
         row_bytes=_round_up(max(group_row_bytes), POOL_ALIGNMENT),
         device=device,
     )
+    return dataclasses.replace(layout, sources=tuple(sources))
 
 
 def pool_plane_view(pool: torch.Tensor, plane: Plane, blocks_per_chunk: int) -> torch.Tensor:
@@ -412,12 +610,18 @@ def pool_plane_view(pool: torch.Tensor, plane: Plane, blocks_per_chunk: int) -> 
 
 __all__ = [
     "POOL_ALIGNMENT",
+    "AliasRule",
     "CacheLayout",
+    "CacheSource",
     "Layer",
     "Plane",
+    "block_offsets",
     "build_layout",
     "byte_view",
     "check_int",
+    "check_pool_placement",
+    "overlapping_plane_pairs",
+    "pages_meet",
     "planes_overlap",
     "pool_plane_view",
 ]

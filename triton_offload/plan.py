@@ -196,9 +196,11 @@ class OffloadPlan:
 
         ``present[g]`` holds one bool per chunk of group ``g`` from chunk 0 (does the
         pool hold it); missing trailing entries count as absent. A ``list``/``tuple`` of
-        bools or a ``bytes``/``bytearray`` of 0/1 takes the fast C-level scans. Returns
-        ``hit_end - num_computed_tokens`` for the largest valid hit end, 0 when there is
-        none beyond ``num_computed_tokens``.
+        bools or a ``bytes``/``bytearray`` of 0/1 takes the fast C-level scans. Values
+        must be bools or 0/1: anything else (``2``, ``"0"``, ``None``) raises TypeError
+        naming ``present[g][i]``, and a row that is a string or ``None`` one naming
+        ``present[g]``. Returns ``hit_end - num_computed_tokens`` for the largest valid
+        hit end, 0 when there is none beyond ``num_computed_tokens``.
         ``max_hit_end`` caps the hit end (an engine's load budget). The algorithm is
         :func:`triton_offload.lookup.lookup_hit_tokens`.
         """

@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import mmap
+import os
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -234,6 +235,14 @@ def _unregister_all(pieces: list[int], keep_alive: torch.Tensor) -> None:
     pieces.clear()
 
 
+def host_memory_bytes() -> int | None:
+    """Physical memory of this host in bytes, or None where the system does not say."""
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
 def allocate_pool(
     rows: int,
     row_bytes: int,
@@ -248,6 +257,14 @@ def allocate_pool(
         raise ValueError(f"row_bytes {row_bytes} must be >= 1")
     if piece_bytes < 1:
         raise ValueError(f"piece_bytes {piece_bytes} must be >= 1")
+    memory = host_memory_bytes()
+    if memory is not None and rows * row_bytes > memory:
+        # Refused here, naming the argument: torch's allocator error names neither it nor
+        # the row size, and a pool near the limit would leave nothing for the caches.
+        raise ValueError(
+            f"num_host_blocks {rows} x {row_bytes} bytes per row = {rows * row_bytes} bytes "
+            f"exceeds this host's {memory} bytes of memory"
+        )
     if not pinned:
         tensor = torch.zeros((rows, row_bytes), dtype=torch.uint8)
         return HostPool(tensor=tensor, device_address=tensor.data_ptr(), pinned=False)
@@ -337,6 +354,12 @@ def wrap_pool(tensor: torch.Tensor, *, rows: int, row_bytes: int, cuda: bool) ->
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"pool must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type not in ("cpu", "cuda"):
+        # A meta tensor has no memory: its address 0 was copied to (a segfault).
+        raise ValueError(
+            f"pool is on {tensor.device}; it must be host memory (or CUDA memory on the "
+            "caches' GPU)"
+        )
     if tensor.dtype != torch.uint8 or tuple(tensor.shape) != (rows, row_bytes):
         raise ValueError(
             f"pool must be a uint8 tensor of shape {(rows, row_bytes)}, got dtype "
@@ -370,6 +393,7 @@ __all__ = [
     "allocate_pool",
     "cuda_api",
     "device_address_of_pinned",
+    "host_memory_bytes",
     "row_stride_of",
     "wrap_pool",
 ]
