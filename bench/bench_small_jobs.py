@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 import torch
 
+from triton_offload import GroupSpec, plan_offload
 from triton_offload.engine import TransferEngine
 
 PAGE_SIZES = [1 << 10, 4 << 10, 16 << 10, 64 << 10]
@@ -39,7 +40,7 @@ SMOKE_ROUNDS = 3
 def _setup(page: int, direction: str) -> tuple[Callable[[], None], Callable[[], None], Any]:
     generator = torch.Generator().manual_seed(page)
     kv = torch.randint(0, 256, (2, NUM_BLOCKS, page), dtype=torch.uint8, generator=generator)
-    plan = SimpleNamespace(groups=(None,), blocks_per_chunk=1)
+    plan = plan_offload([GroupSpec("full_attention", 16)])
     engine = TransferEngine(plan, [[(kv[0], kv[1])]], NUM_BLOCKS, backend="torch")
     blocks = torch.randperm(NUM_BLOCKS, generator=generator)[:BLOCKS].tolist()
     rows = torch.randperm(NUM_BLOCKS, generator=generator)[:BLOCKS].tolist()
