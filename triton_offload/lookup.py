@@ -15,7 +15,7 @@ not in a presence sequence (index past its end) is absent.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, overload
 
 from triton_offload.groups import GroupKind, check_positive_int
 
@@ -258,17 +258,49 @@ def checked_presence_row(group: int, row: object) -> PresenceRow:
         else:
             if packed.translate(_NON_BINARY).find(1) < 0:
                 return packed
-    for index in range(len(row)):  # type: ignore[arg-type]
-        value = row[index]  # type: ignore[index]
-        try:
-            ok = value in _BINARY_VALUES
-        except TypeError:  # unhashable
-            ok = False
-        if not ok:
-            raise TypeError(
-                f"present[{group}][{index}] is {value!r}: presence values must be bools (or 0/1)"
-            )
-    return row  # type: ignore[return-value]
+    if dtype is not None or isinstance(row, (list, tuple)):
+        # Arrays and lists of other element types (numpy ints, "0", -1): checked now.
+        for index in range(len(row)):  # type: ignore[arg-type]
+            _checked_value(group, index, row[index])  # type: ignore[index]
+        return row  # type: ignore[return-value]
+    # Any other sequence may compute its values on access (vLLM's manager is asked per
+    # chunk): each value is checked when a scan reads it, so a lookup still reads only
+    # the chunks it needs.
+    return _CheckedRow(group, row)  # type: ignore[arg-type]
+
+
+def _checked_value(group: int, index: int, value: object) -> bool:
+    try:
+        ok = value in _BINARY_VALUES
+    except TypeError:  # unhashable
+        ok = False
+    if not ok:
+        raise TypeError(
+            f"present[{group}][{index}] is {value!r}: presence values must be bools (or 0/1)"
+        )
+    return bool(value)
+
+
+class _CheckedRow(Sequence[bool]):
+    """A presence row whose values are checked as they are read (see checked_presence_row)."""
+
+    def __init__(self, group: int, row: Sequence[object]) -> None:
+        self._group = group
+        self._row = row
+
+    def __len__(self) -> int:
+        return len(self._row)
+
+    @overload
+    def __getitem__(self, index: int) -> bool: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[bool]: ...
+    def __getitem__(self, index: int | slice) -> bool | Sequence[bool]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        return _checked_value(self._group, index, self._row[index])
 
 
 # --------------------------------------------------------------------------- load side
