@@ -12,6 +12,10 @@ A *case* is one job: per group, how many GPU blocks move (a prompt of
 sliding-window group, the one state at the hit end of a Mamba group). On a machine
 without CUDA a case keeps its page shapes but its layer counts are scaled down so that
 one job moves tens of MB, not GBs (see :func:`scale_case`).
+
+A model case takes its groups (name, kind, block size, window, Mamba mode) from
+``triton_offload.presets``, the table every command reads; only the layer counts and
+page bytes live here.
 """
 
 from __future__ import annotations
@@ -19,6 +23,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+
+from triton_offload.groups import GroupKind, GroupSpec
+from triton_offload.presets import PRESETS as MODELS
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -123,46 +130,72 @@ def _blocks(tokens: int, block_size: int) -> int:
     return math.ceil(tokens / block_size)
 
 
+def _blocks_per_job(spec: GroupSpec) -> int:
+    """GPU blocks of ``spec``'s group one job of ``PROMPT_TOKENS`` tokens moves."""
+    if spec.kind is GroupKind.MAMBA:
+        return 1  # the one state at the hit end
+    if spec.kind is GroupKind.SLIDING_WINDOW:
+        assert spec.sliding_window is not None
+        # the window plus the partially covered block before it
+        return _blocks(spec.sliding_window, spec.block_size) + 1
+    return _blocks(PROMPT_TOKENS, spec.block_size)
+
+
+def _spec(preset: str, group: str) -> GroupSpec:
+    """Group ``group`` of model preset ``preset``."""
+    return next(s for s in MODELS[preset].groups if s.name == group)
+
+
+def _groups(preset: str, pages: dict[str, tuple[int, tuple[int, ...]]]) -> tuple[GroupShape, ...]:
+    """The groups of model preset ``preset`` (name, kind, block size, window, Mamba mode,
+    from ``triton_offload.presets``, the table every command reads) with the page shapes
+    bench moves: ``pages[group name]`` is (layers, page bytes of one layer's planes)."""
+    specs = MODELS[preset].groups
+    if sorted(pages) != sorted(s.name for s in specs):
+        raise ValueError(
+            f"bench pages for {preset} name groups {sorted(pages)}, "
+            f"the model has {[s.name for s in specs]}"
+        )
+    return tuple(
+        GroupShape(
+            name=spec.name,
+            kind=spec.kind.value,
+            block_size=spec.block_size,
+            layers=pages[spec.name][0],
+            plane_bytes=pages[spec.name][1],
+            blocks_per_job=_blocks_per_job(spec),
+            sliding_window=spec.sliding_window,
+            mamba_cache_mode=spec.mamba_cache_mode,
+        )
+        for spec in specs
+    )
+
+
 def _llama_8b(tp: int) -> Case:
+    name = f"llama3.1-8b-tp{tp}"
+    block = _spec(name, "attention").block_size
     kv_heads = 8 // tp
-    page = attention_page_bytes(16, kv_heads, 128, BF16)
+    page = attention_page_bytes(block, kv_heads, 128, BF16)
     return Case(
-        name=f"llama3.1-8b-tp{tp}",
+        name=name,
         description=(
             f"Llama-3.1-8B, TP {tp}: 32 layers, {kv_heads} KV heads x 128, bf16, "
-            f"16-token blocks -> K and V pages of {page // KiB} KiB"
+            f"{block}-token blocks -> K and V pages of {page // KiB} KiB"
         ),
-        groups=(
-            GroupShape(
-                name="attention",
-                kind="full_attention",
-                block_size=16,
-                layers=32,
-                plane_bytes=(page, page),
-                blocks_per_job=_blocks(PROMPT_TOKENS, 16),
-            ),
-        ),
+        groups=_groups(name, {"attention": (32, (page, page))}),
     )
 
 
 def _deepseek_mla() -> Case:
-    page = mla_page_bytes(16, 576, BF16)
+    block = _spec("deepseek-mla", "mla").block_size
+    page = mla_page_bytes(block, 576, BF16)
     return Case(
         name="deepseek-mla",
         description=(
             "DeepSeek-like MLA: 61 layers, 576-value latent (512 + 64 rope), bf16, "
-            f"16-token blocks -> one {page:,} B page per layer"
+            f"{block}-token blocks -> one {page:,} B page per layer"
         ),
-        groups=(
-            GroupShape(
-                name="mla",
-                kind="mla",
-                block_size=16,
-                layers=61,
-                plane_bytes=(page,),
-                blocks_per_job=_blocks(PROMPT_TOKENS, 16),
-            ),
-        ),
+        groups=_groups("deepseek-mla", {"mla": (61, (page,))}),
     )
 
 
@@ -170,10 +203,11 @@ def _mamba_hybrid() -> Case:
     # Qwen3-Next-like: 48 layers, 1 in 4 full attention (2 KV heads x 256), the rest
     # linear attention with a Mamba-style state: conv over 2*16*128 + 32*128 = 8192
     # channels with kernel 4, recurrent state 32 heads x 128 x 128 kept in fp32.
-    # The attention block size is raised to 256 tokens, as vLLM's hybrid allocator
-    # raises it toward the Mamba page size; with 16-token blocks a pool row (sized for
-    # the largest group: 36 Mamba layers, 75 MiB) per attention block would need GBs.
-    block = 256
+    # The attention block size is 256 tokens (the model preset's), as vLLM's hybrid
+    # allocator raises it toward the Mamba page size; with 16-token blocks a pool row
+    # (sized for the largest group: 36 Mamba layers, 75 MiB) per attention block would
+    # need GBs.
+    block = _spec("mamba-hybrid", "attention").block_size
     page = attention_page_bytes(block, 2, 256, BF16)
     conv = mamba_conv_bytes(8192, 4, BF16)
     ssm = mamba_ssm_bytes(32, 128, 128, FP32)
@@ -185,24 +219,8 @@ def _mamba_hybrid() -> Case:
             f"SSM state {ssm // MiB} MiB fp32); a job moves the prompt's attention blocks "
             "and the one state at the hit end"
         ),
-        groups=(
-            GroupShape(
-                name="attention",
-                kind="full_attention",
-                block_size=block,
-                layers=12,
-                plane_bytes=(page, page),
-                blocks_per_job=_blocks(PROMPT_TOKENS, block),
-            ),
-            GroupShape(
-                name="mamba",
-                kind="mamba",
-                block_size=block,
-                layers=36,
-                plane_bytes=(conv, ssm),
-                blocks_per_job=1,
-                mamba_cache_mode="align",
-            ),
+        groups=_groups(
+            "mamba-hybrid", {"attention": (12, (page, page)), "mamba": (36, (conv, ssm))}
         ),
     )
 
@@ -210,34 +228,25 @@ def _mamba_hybrid() -> Case:
 def _swa_hybrid() -> Case:
     # gpt-oss-like: 36 layers alternating full attention and a 128-token sliding
     # window, 8 KV heads x 64, bf16.
-    page = attention_page_bytes(16, 8, 64, BF16)
-    window = 128
+    full, sliding = (
+        _spec("swa-hybrid", "full").block_size,
+        _spec("swa-hybrid", "sliding").block_size,
+    )
+    page = attention_page_bytes(full, 8, 64, BF16)
+    window = _spec("swa-hybrid", "sliding").sliding_window
     return Case(
         name="swa-hybrid",
         description=(
-            "gpt-oss-like hybrid: 18 full-attention + 18 sliding-window (128 tokens) layers, "
+            f"gpt-oss-like hybrid: 18 full-attention + 18 sliding-window ({window} tokens) layers, "
             f"8 KV heads x 64, bf16 -> K/V pages of {page // KiB} KiB; the window group "
             "moves only the blocks its window covers"
         ),
-        groups=(
-            GroupShape(
-                name="full",
-                kind="full_attention",
-                block_size=16,
-                layers=18,
-                plane_bytes=(page, page),
-                blocks_per_job=_blocks(PROMPT_TOKENS, 16),
-            ),
-            GroupShape(
-                name="sliding",
-                kind="sliding_window",
-                block_size=16,
-                layers=18,
-                plane_bytes=(page, page),
-                # the window plus the partially covered block before it
-                blocks_per_job=_blocks(window, 16) + 1,
-                sliding_window=window,
-            ),
+        groups=_groups(
+            "swa-hybrid",
+            {
+                "full": (18, (page, page)),
+                "sliding": (18, (attention_page_bytes(sliding, 8, 64, BF16),) * 2),
+            },
         ),
     )
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import run_oracle
 import torch
 
 from triton_offload import cpu_copy
@@ -13,7 +14,7 @@ from triton_offload.reference import reference_copy
 
 
 @pytest.mark.parametrize("subset", [None, (0, 2)])
-@pytest.mark.parametrize("direction", [cpu_copy.TO_POOL, cpu_copy.FROM_POOL])
+@pytest.mark.parametrize("direction", [Direction.TO_POOL, Direction.FROM_POOL])
 def test_stacked_runs_equal_the_per_plane_runs(direction: int, subset: tuple | None) -> None:
     """RunBuilder (all planes of a group at once) against plane_runs (one plane at a time)."""
     contiguous = torch.zeros(16, 3, 7, dtype=torch.float16)
@@ -27,7 +28,7 @@ def test_stacked_runs_equal_the_per_plane_runs(direction: int, subset: tuple | N
     offsets = np.array([0, 4, 7], dtype=np.int64)
     args = (1 << 40, layout.row_bytes + 32, pairs, offsets, direction, subset)
     stacked = cpu_copy.RunBuilder(layout).runs(*args)
-    per_plane = list(cpu_copy.plane_runs(layout, *args))
+    per_plane = list(run_oracle.plane_runs(layout, *args))
     for name in ("targets", "sources", "lengths"):
         want = np.concatenate([getattr(r, name) for r in per_plane])
         assert getattr(stacked, name).tolist() == want.tolist(), name
@@ -39,13 +40,13 @@ def test_stacked_runs_equal_the_per_plane_runs(direction: int, subset: tuple | N
 def test_page_runs_merge_pages_adjacent_on_both_sides() -> None:
     cache = np.array([100, 110, 120, 200, 210, 300], dtype=np.int64)
     pool = np.array([0, 10, 20, 30, 45, 55], dtype=np.int64)
-    starts_cache, starts_pool, lengths = cpu_copy.page_runs(cache, pool, 10)
+    starts_cache, starts_pool, lengths = run_oracle.page_runs(cache, pool, 10)
     # 100-120 / 0-20 merge; 200 follows 120 in the pool but not in the cache; 210 follows
     # 200 in the cache but not in the pool (45 != 40); 300 follows 45 -> 55 in the pool only.
     assert starts_cache.tolist() == [100, 200, 210, 300]
     assert starts_pool.tolist() == [0, 30, 45, 55]
     assert lengths.tolist() == [30, 10, 10, 10]
-    empty = cpu_copy.page_runs(np.zeros(0, np.int64), np.zeros(0, np.int64), 10)
+    empty = run_oracle.page_runs(np.zeros(0, np.int64), np.zeros(0, np.int64), 10)
     assert [a.size for a in empty] == [0, 0, 0]
 
 
@@ -64,7 +65,7 @@ def storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
     [(1, 0), (3, 0), (1, cpu_copy.SMALL_JOB_PAGES)],
     ids=["one-thread", "three-threads", "small-job"],
 )
-@pytest.mark.parametrize("direction", [cpu_copy.TO_POOL, cpu_copy.FROM_POOL])
+@pytest.mark.parametrize("direction", [Direction.TO_POOL, Direction.FROM_POOL])
 def test_copy_pages_matches_reference(
     direction: int, threads: int, small_pages: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:

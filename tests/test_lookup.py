@@ -12,7 +12,6 @@ from triton_offload.lookup import (
     hit_end_problem,
     last_present,
     lookup_hit_tokens,
-    window_run_end,
 )
 
 
@@ -37,7 +36,9 @@ def as_types(values: list[bool]) -> list[Sequence[bool]]:
     return [values, tuple(values), bytes(values), bytearray(values), Plain(values)]
 
 
-def seed_plan() -> OffloadPlan:
+def dcp_mamba_plan() -> OffloadPlan:
+    """The DCP/Mamba span geometry: full attention block 16 + Mamba block 16 (align)
+    under TP=2, DCP=2 (spans 32 and 16 tokens)."""
     return plan_offload(
         [GroupSpec("full_attention", 16), GroupSpec("mamba", 16, mamba_cache_mode="align")],
         ParallelSpec(tp_size=2, dcp_size=2),
@@ -56,9 +57,9 @@ def swa_plan(*, is_eagle: bool = False, window: int = 8) -> OffloadPlan:
 # ---------------------------------------------------------------- worked examples
 
 
-def test_seed_lookup_is_32() -> None:
+def test_dcp_mamba_lookup_is_32() -> None:
     """63 -> 48 (Mamba round-down) -> full attention keeps 48 -> Mamba state at 32."""
-    plan = seed_plan()
+    plan = dcp_mamba_plan()
     present = [bits(2, [0, 1]), bits(4, [1, 3])]
     for full, mamba in zip(as_types(present[0]), as_types(present[1]), strict=True):
         assert plan.lookup(64, 0, [full, mamba]) == 32
@@ -71,7 +72,7 @@ def test_seed_lookup_is_32() -> None:
 @pytest.mark.parametrize(("num_tokens", "expected"), [(32, 16), (33, 32)])
 def test_mamba_only_round_down(num_tokens: int, expected: int) -> None:
     """Without the round-down a 32-token prompt would claim 31 tokens and restore the
-    state of token 32 at position 31 (seed #44599)."""
+    state of token 32 at position 31 (the boundary bug vLLM PR #44599 fixed)."""
     plan = plan_offload([GroupSpec("mamba", 16, mamba_cache_mode="align")])
     assert plan.lookup(num_tokens, 0, [[True, True]]) == expected
 
@@ -89,7 +90,7 @@ def test_sliding_window_example_lookup() -> None:
 
 
 def test_dcp_pcp_lookup_matches_dcp_only() -> None:
-    dcp = seed_plan()
+    dcp = dcp_mamba_plan()
     both = plan_offload(
         list(s.spec for s in dcp.groups), ParallelSpec(tp_size=2, dcp_size=2, pcp_size=2)
     )
@@ -249,7 +250,7 @@ def test_mamba_round_down_when_its_chunk_is_larger() -> None:
 
 
 def test_max_hit_end_caps_the_hit() -> None:
-    plan = seed_plan()
+    plan = dcp_mamba_plan()
     present = [[True] * 4, [True] * 8]
     assert plan.lookup(129, 0, present) == 128  # 128 is on both grids
     assert plan.lookup(129, 0, present, max_hit_end=70) == 64  # on the Mamba grid
@@ -259,8 +260,8 @@ def test_max_hit_end_caps_the_hit() -> None:
 
 
 def test_hit_end_problem_names_the_group() -> None:
-    """The seed geometry: full attention chunks 0-1, Mamba states at 32 and 64."""
-    plan = seed_plan()
+    """The DCP/Mamba span geometry: full attention chunks 0-1, Mamba states at 32 and 64."""
+    plan = dcp_mamba_plan()
     present = [bits(2, [0, 1]), bits(4, [1, 3])]
     assert hit_end_problem(plan, 64, 0, present, 32) is None
     assert hit_end_problem(plan, 64, 0, present, 40) == (
@@ -278,7 +279,7 @@ def test_hit_end_problem_names_the_group() -> None:
 
 
 def test_lookup_bad_input() -> None:
-    plan = seed_plan()
+    plan = dcp_mamba_plan()
     present = [[True] * 2, [True] * 4]
     with pytest.raises(ValueError, match=r"num_tokens must be >= 0, got -1"):
         plan.lookup(-1, 0, present)
@@ -311,20 +312,20 @@ def test_lookup_bad_input() -> None:
 def test_presence_values_other_than_bools_or_0_1_are_refused(row: Sequence[object]) -> None:
     # A truthy 2 counted as present in one scan and as absent in another, so such rows
     # gave answers that differ from the same rows as bools.
-    plan = seed_plan()
+    plan = dcp_mamba_plan()
     with pytest.raises(TypeError, match=r"present\[1\]\[2\] is .*: presence values must be"):
         plan.lookup(64, 0, [[True, True], row])  # type: ignore[list-item]
 
 
 @pytest.mark.parametrize("row", ["0000", "1111", None, 5, 1.5, {0: True}])
 def test_presence_rows_that_are_not_sequences_of_bools_are_refused(row: object) -> None:
-    plan = seed_plan()
+    plan = dcp_mamba_plan()
     with pytest.raises(TypeError, match=r"present\[0\] must be a sequence of bools"):
         plan.lookup(64, 0, [row, [True] * 4])  # type: ignore[list-item]
 
 
 def test_presence_ints_0_and_1_answer_like_bools() -> None:
-    plan = seed_plan()
+    plan = dcp_mamba_plan()
     rows = [bits(2, [0, 1]), bits(4, [1, 3])]
     as_ints = [[int(v) for v in row] for row in rows]
     assert plan.lookup(64, 0, as_ints) == plan.lookup(64, 0, rows) == 32  # type: ignore[arg-type]
@@ -333,7 +334,7 @@ def test_presence_ints_0_and_1_answer_like_bools() -> None:
 
 def test_presence_numpy_bools_answer_like_bools() -> None:
     np = pytest.importorskip("numpy")
-    plan = seed_plan()
+    plan = dcp_mamba_plan()
     rows = [bits(2, [0, 1]), bits(4, [1, 3])]
     assert plan.lookup(64, 0, [np.array(r, dtype=bool) for r in rows]) == 32
     assert plan.lookup(64, 0, [list(np.array(r, dtype=bool)) for r in rows]) == 32
@@ -344,16 +345,16 @@ def test_presence_numpy_bools_answer_like_bools() -> None:
 @pytest.mark.parametrize("present", [None, "11", b"\x01\x01", {0: [True], 1: [True]}])
 def test_presence_must_be_a_sequence_of_rows(present: object) -> None:
     with pytest.raises(TypeError, match=r"present must be a sequence of presence rows"):
-        seed_plan().lookup(64, 0, present)  # type: ignore[arg-type]
+        dcp_mamba_plan().lookup(64, 0, present)  # type: ignore[arg-type]
 
 
 def test_lookup_function_refuses_a_plan_of_another_type() -> None:
-    with pytest.raises(TypeError, match=r"plan must be an OffloadPlan, got 'seed'"):
-        lookup_hit_tokens("seed", 64, 0, [[True]])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"plan must be an OffloadPlan, got 'not a plan'"):
+        lookup_hit_tokens("not a plan", 64, 0, [[True]])  # type: ignore[arg-type]
 
 
 def test_empty_request() -> None:
-    assert seed_plan().lookup(0, 0, [[], []]) == 0
+    assert dcp_mamba_plan().lookup(0, 0, [[], []]) == 0
 
 
 # ---------------------------------------------------------------- presence scans
@@ -373,12 +374,6 @@ def test_scans_agree_across_container_types(kind: int) -> None:
     assert last_present(present, 0, 39) == 20
     assert last_present(present, 21, 39) == 20  # none in range -> lo - 1
     assert last_present(present, 0, 100) == 39
-    assert window_run_end(present, 0, 40, 4) == 9  # run [5, 9)
-    assert window_run_end(present, 0, 40, 1) == 40
-    assert window_run_end(present, 0, 8, 3) == 8  # run [5, 8)
-    assert window_run_end(present, 0, 40, 5) == 3  # no run of 5: start run [0, 3)
-    assert window_run_end(present, 3, 40, 5) == 3  # start chunk absent
-    assert window_run_end(present, 10, 20, 2) == 10
 
 
 def test_last_present_crosses_long_absent_stretch() -> None:
@@ -386,4 +381,3 @@ def test_last_present_crosses_long_absent_stretch() -> None:
     values[3] = True
     assert last_present(values, 0, 10_000) == 3
     assert last_present(tuple(values), 4, 10_000) == 3
-    assert window_run_end(values, 0, 10_000, 1) == 4

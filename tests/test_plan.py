@@ -20,7 +20,7 @@ FULL16 = GroupSpec("full_attention", 16)
 MAMBA16_ALIGN = GroupSpec("mamba", 16, mamba_cache_mode="align")
 
 
-def seed_plan(**parallel: int) -> OffloadPlan:
+def dcp_mamba_plan(**parallel: int) -> OffloadPlan:
     """The DCP/Mamba span geometry: full attention block 16 + Mamba block 16 (align)."""
     return plan_offload([FULL16, MAMBA16_ALIGN], ParallelSpec(**parallel))
 
@@ -37,9 +37,10 @@ def reachable(plan: OffloadPlan, group: int, storable: int) -> list[int]:
     ]
 
 
-def test_seed_dcp2_spans_alignment_and_reachable() -> None:
-    plan = seed_plan(tp_size=2, dcp_size=2)
-    # DCP scales the attention span, never the replicated Mamba state (seed bug 1).
+def test_dcp_mamba_dcp2_spans_alignment_and_reachable() -> None:
+    plan = dcp_mamba_plan(tp_size=2, dcp_size=2)
+    # DCP scales the attention span, never the replicated Mamba state (a Mamba span
+    # scaled by DCP is the span bug the vLLM spec refuses at start-up).
     assert tuple(g.tokens_per_block for g in plan.groups) == (32, 16)
     assert tuple(g.tokens_per_chunk for g in plan.groups) == (32, 16)
     assert plan.alignment_tokens == 32
@@ -60,8 +61,8 @@ def test_seed_dcp2_spans_alignment_and_reachable() -> None:
     assert plan.store_reachable_chunks(0, 2) == [0, 1]
 
 
-def test_seed_without_dcp_has_no_trim() -> None:
-    plan = seed_plan()
+def test_dcp_mamba_without_dcp_has_no_trim() -> None:
+    plan = dcp_mamba_plan()
     assert tuple(g.tokens_per_block for g in plan.groups) == (16, 16)
     # The Mamba chunk equals the alignment: nothing to trim.
     assert plan.groups[1].alignment_chunk_count is None
@@ -70,12 +71,12 @@ def test_seed_without_dcp_has_no_trim() -> None:
 
 def test_dcp2_pcp2_same_spans_as_dcp2() -> None:
     """PCP and TP never scale spans; only DCP does, and only for sharded groups."""
-    plan = seed_plan(tp_size=4, dcp_size=2, pcp_size=2)
+    plan = dcp_mamba_plan(tp_size=4, dcp_size=2, pcp_size=2)
     assert plan.parallel == ParallelSpec(tp_size=4, dcp_size=2, pcp_size=2)
     assert tuple(g.tokens_per_block for g in plan.groups) == (32, 16)
     assert plan.groups[1].alignment_chunk_count == 2
     assert plan.store_reachable_chunks(1, 6) == [1, 3, 5]
-    assert seed_plan(pcp_size=2).groups[0].tokens_per_block == 16
+    assert dcp_mamba_plan(pcp_size=2).groups[0].tokens_per_block == 16
 
 
 def test_dcp_override_per_group() -> None:
@@ -246,18 +247,18 @@ def test_wrong_types_to_plan_offload() -> None:
 
 
 def test_plan_is_frozen_and_carries_specs() -> None:
-    plan = seed_plan(tp_size=2, dcp_size=2)
+    plan = dcp_mamba_plan(tp_size=2, dcp_size=2)
     assert plan.groups[1].spec is MAMBA16_ALIGN
     assert plan.groups[1].block_size == 16
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.alignment_tokens = 7  # type: ignore[misc]
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.groups[0].tokens_per_chunk = 7  # type: ignore[misc]
-    assert plan == seed_plan(tp_size=2, dcp_size=2)
+    assert plan == dcp_mamba_plan(tp_size=2, dcp_size=2)
 
 
 def test_reachability_bad_input() -> None:
-    plan = seed_plan(tp_size=2, dcp_size=2)
+    plan = dcp_mamba_plan(tp_size=2, dcp_size=2)
     with pytest.raises(ValueError, match=r"group_index 2 out of range \[0, 2\)"):
         plan.store_reachable_chunks(2, 4)
     with pytest.raises(ValueError, match=r"storable_chunk_count must be >= 0, got -1"):
@@ -273,7 +274,7 @@ def test_reachability_bad_input() -> None:
 
 
 def test_describe_lists_every_group() -> None:
-    plan = seed_plan(tp_size=2, dcp_size=2)
+    plan = dcp_mamba_plan(tp_size=2, dcp_size=2)
     text = plan.describe(prompt_tokens=64)
     lines = text.splitlines()
     assert lines[0].split() == [

@@ -29,7 +29,7 @@ def table_row(out: str, group: str) -> list[str]:
     raise AssertionError(f"no row for {group!r} in:\n{out}")
 
 
-def test_seed_preset_under_dcp2(capsys: pytest.CaptureFixture[str]) -> None:
+def test_mamba_hybrid_preset_under_dcp2(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run_plan(
         capsys, "--preset", "mamba-hybrid-tiny", "--tp", "2", "--dcp", "2", "--prompt-tokens", "64"
     )

@@ -162,7 +162,7 @@ def test_each_injected_bug_fails_verify_by_name(
     assert any(line.startswith(f"{scenario}: ") for line in failure_lines), out
 
 
-def test_no_round_down_claims_the_seed_hit() -> None:
+def test_no_round_down_claims_the_boundary_hit() -> None:
     # vLLM before PR #44599: a 32-token Mamba prompt with chunks [0, 1] stored claimed 31.
     results = _by_name(
         run_scenarios(build_scenarios(["mamba-tiny"], [1], [1]), inject="no-mamba-round-down")

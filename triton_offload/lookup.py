@@ -35,7 +35,6 @@ __all__ = [
     "last_present",
     "lookup_hit_tokens",
     "reachable_chunks",
-    "window_run_end",
 ]
 
 
@@ -173,35 +172,6 @@ def last_present(present: PresenceRow, lo: int, hi: int) -> int:
         if present[index]:
             return index
     return lo - 1
-
-
-def window_run_end(present: PresenceRow, lo: int, hi: int, window: int) -> int:
-    """End (exclusive) of the last run of ``window`` present chunks inside ``[lo, hi)``.
-
-    Without such a run, the end of the run of present chunks that starts at ``lo``
-    (``lo`` itself when chunk ``lo`` is absent): the chunks before ``lo`` are already
-    on the GPU, so a shorter run there still completes the window.
-
-    The scan walks backwards with early exit. A candidate end ``r`` needs
-    ``[r - window, r)`` present; if the smallest absent chunk there is ``q``, no end
-    in ``(q, r]`` can work (each of their windows contains ``q``), so the next
-    candidate is ``q``, reached after skipping the absent stretch below it. Every
-    two steps move ``r`` down by more than ``window`` or end the scan, and each step
-    is a C-level search.
-    """
-    end = hi
-    while end - window >= lo:
-        top = last_present(present, lo, end)
-        if top < lo:
-            break
-        end = top + 1
-        if end - window < lo:
-            break
-        gap = first_absent(present, end - window, end)
-        if gap == end:
-            return end
-        end = gap
-    return first_absent(present, lo, min(hi, lo + window))
 
 
 # --------------------------------------------------------------------------- presence input
