@@ -376,6 +376,45 @@ def test_extra_config_reaches_the_engine(tv: Any) -> None:
     worker.shutdown()
 
 
+@needs_vllm
+def test_expedited_loads_reach_the_engines_expedited_lane(
+    tv: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from triton_offload.layout import pool_plane_view
+
+    spec = tv.TritonOffloadingSpec(_config({"backend": "torch"}))
+    caches = Caches()
+    worker = spec.get_worker(caches.canonical)
+    engine = worker.engine
+    calls: list[tuple[int, Any]] = []
+    submit = engine.submit_load
+
+    def spy(job_id: int, job: Any, **kwargs: Any) -> bool:
+        calls.append((job_id, kwargs.get("expedited")))
+        return submit(job_id, job, **kwargs)
+
+    monkeypatch.setattr(engine, "submit_load", spy)
+    generator = torch.Generator().manual_seed(5)
+    engine.pool.copy_(
+        torch.randint(0, 256, engine.pool.shape, dtype=torch.uint8, generator=generator)
+    )
+    # Attention blocks 4 and 8 from chunk 3 (expedited), block 10 from slot 1 of chunk 5.
+    fast = GPULoadStoreSpec([4, 8], group_sizes=[2, 0], block_indices=[0, 0])
+    regular = GPULoadStoreSpec([10], group_sizes=[1, 0], block_indices=[1, 0])
+    assert worker.submit_load(1, CPULoadStoreSpec([3]), fast, expedited=True)
+    assert worker.submit_load(2, CPULoadStoreSpec([5]), regular)
+    worker.wait({1})
+    assert calls == [(1, True), (2, False)]
+    results = worker.get_finished()
+    assert sorted((r.job_id, r.success) for r in results) == [(1, True), (2, True)]
+    assert worker.get_finished() == []
+    for number, index in enumerate(engine.layout.group_planes[0]):
+        rows = pool_plane_view(engine.pool, engine.layout.planes[index], BPC)
+        for block, row, slot in [(4, 3, 0), (8, 3, 1), (10, 5, 1)]:
+            assert torch.equal(caches.page(0, number, block), rows[row, slot])
+    worker.shutdown()
+
+
 # ---------------------------------------------------------------------- worker
 
 

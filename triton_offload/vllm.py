@@ -445,7 +445,10 @@ def _build_classes() -> dict[str, type]:
         blocks on jobs still in flight (ids already reported are ignored, as vLLM's
         CPU worker does); ``shutdown`` waits for running jobs, then releases the
         region as vLLM's CPU worker does (unlock, unmap, unlink if still linked).
-        An expedited load runs on the engine's load stream like any other load.
+        ``submit_load(..., expedited=True)`` (vLLM's loads for requests that run in the
+        same step, which vLLM's connector waits for at once) goes to the engine's
+        expedited lane: on CUDA its own queue on a stream of the highest priority, so it
+        never waits behind the regular loads already queued.
 
         ``stage_groups``: the config's groups that have layers on this worker (a
         pipeline stage may hold none of a group); the engine covers only those, and
@@ -585,7 +588,7 @@ def _build_classes() -> dict[str, type]:
             if self.engine is None:
                 self._empty_jobs.append(api.TransferResult(job_id, True, 0, 0.0))
                 return True
-            accepted = bool(self.engine.submit_load(job_id, job))
+            accepted = bool(self.engine.submit_load(job_id, job, expedited=bool(expedited)))
             if accepted:
                 self._engine_jobs.add(job_id)
             return accepted
