@@ -354,15 +354,31 @@ def test_replicated_layout_keeps_one_copy_per_chunk(
         ({"backend": "cuda"}, "'cuda'"),
         ({"num_programs": 0}, "num_programs.*0"),
         ({"num_programs": True}, "num_programs.*True"),
-        ({"crossover": -4}, "crossover.*-4"),
-        ({"crossover": {"store": 4096}}, "crossover.*store"),
-        ({"crossover": {"store": 4096, "load": "big"}}, "crossover.load.*big"),
+        ({"crossover": -4}, r"\['crossover'\] -4 must be >= 0"),
+        ({"crossover": 2.5}, r"\['crossover'\] must be an int of page bytes, got 2.5"),
+        ({"crossover": {"store": 4096}}, r"\['crossover'\] \{'store': 4096\} needs exactly"),
+        ({"crossover": {"store": 4096, "load": "big"}}, r"\['crossover'\]\['load'\].*'big'"),
+        ({"crossover": {"store": -1, "load": 0}}, r"\['crossover'\]\['store'\] -1 must be"),
         ({"canonical_layout": True}, "canonical_layout"),
     ],
 )
 def test_bad_extra_config_is_rejected(tv: Any, extra: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         tv.TritonOffloadingSpec(_config(extra))
+
+
+@needs_vllm
+@pytest.mark.parametrize(
+    ("crossover", "parsed"),
+    [(0, 0), (4096, 4096), ({"store": 0, "load": 65536}, {"store": 0, "load": 65536})],
+)
+def test_crossover_takes_the_engines_rule(tv: Any, crossover: Any, parsed: Any) -> None:
+    """0 page bytes (DMA for every plane) is valid for the engine, so for the spec too."""
+    from triton_offload.selection import parse_crossover
+
+    options = tv.EngineOptions.from_extra_config({"crossover": crossover})
+    assert options.crossover == parsed
+    assert parse_crossover(options.crossover) == parse_crossover(crossover)
 
 
 @needs_vllm

@@ -200,14 +200,40 @@ def _positive_int(key: str, value: Any) -> int:
     return value
 
 
+def _crossover_option(value: Any) -> int | dict[str, int] | None:
+    """The ``crossover`` key, checked by the engine's own validator (``parse_crossover``).
+
+    One rule for both entry points (page bytes >= 0, an int or exactly ``store`` and
+    ``load``); its message is renamed to the extra-config key.
+    """
+    from triton_offload.jobs import FROM_POOL, TO_POOL
+    from triton_offload.selection import parse_crossover
+
+    try:
+        parsed = parse_crossover(value)
+    except (TypeError, ValueError) as error:
+        message = str(error)
+        if message.startswith("crossover"):
+            message = message[len("crossover") :]
+        if not isinstance(value, Mapping) and message.startswith("['store']"):
+            message = message[len("['store']") :]  # one value was given, not a mapping
+        raise ValueError(f"kv_connector_extra_config['crossover']{message}") from error
+    if parsed is None:
+        return None
+    if isinstance(value, Mapping):
+        return {"store": parsed.threshold[TO_POOL], "load": parsed.threshold[FROM_POOL]}
+    return parsed.threshold[TO_POOL]
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineOptions:
     """This spec's own extra-config keys, validated (see the README for each).
 
-    ``backend``: "auto" (Triton or DMA per job on CUDA from the crossover, the CPU path
-    without CUDA), "triton", "dma" or "torch" (CPU caches only). ``num_programs``:
-    Triton grid size (None = the launcher's default). ``crossover``: page bytes at or
-    above which "auto" uses DMA, an int or ``{"store": int, "load": int}``; None =
+    ``backend``: "auto" (on CUDA the copy kernel for some planes and DMA for others,
+    chosen per plane from the crossover, so one job may use both; the CPU path without
+    CUDA), "triton", "dma" or "torch" (CPU caches only). ``num_programs``: Triton grid
+    size (None = the launcher's default). ``crossover``: page bytes at or above which
+    "auto" uses DMA for a plane, an int >= 0 or ``{"store": int, "load": int}``; None =
     measured when the worker starts.
     """
 
@@ -225,18 +251,7 @@ class EngineOptions:
         num_programs = extra.get("num_programs")
         if num_programs is not None:
             num_programs = _positive_int("num_programs", num_programs)
-        crossover = extra.get("crossover")
-        if isinstance(crossover, Mapping):
-            if set(crossover) != {"store", "load"}:
-                raise ValueError(
-                    "kv_connector_extra_config['crossover'] needs exactly the keys 'store' "
-                    f"and 'load', got {dict(crossover)!r}"
-                )
-            crossover = {
-                key: _positive_int(f"crossover.{key}", crossover[key]) for key in ("store", "load")
-            }
-        elif crossover is not None:
-            crossover = _positive_int("crossover", crossover)
+        crossover = _crossover_option(extra.get("crossover"))
         return cls(backend=backend, num_programs=num_programs, crossover=crossover)
 
 
