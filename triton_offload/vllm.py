@@ -37,6 +37,9 @@ Decisions a user of vLLM's CPU spec would ask about:
   worker's pipeline stage is left out of the engine; its blocks are checked and skipped.
 - ``canonical_layout`` is refused: its pages are vLLM's canonical fragments, not this
   project's rows.
+- The tiering spec's fs, obj and p2p tiers file chunks under a name that carries this
+  layout (:func:`storage_layout_tag`), so they never exchange chunks with stock vLLM
+  or another geometry; the KVCR tier, which cannot be so named, is refused.
 
 Only this module and ``triton_offload.vllm_region`` touch vllm. Importing this module
 only checks that vllm is installed (ImportError naming the ``vllm`` extra otherwise);
@@ -436,6 +439,78 @@ def _validate_cpu_bytes(extra: Mapping[str, Any]) -> None:
             "kv_connector_extra_config['cpu_bytes_to_use'] must be a positive "
             f"integer, got {cpu_bytes!r}"
         )
+
+
+#: Secondary tiers whose storage identity is vLLM's ``FileMapper`` fields (the fs folder,
+#: the obj key prefix, the p2p peer fingerprint), which carry this spec's layout tag, or
+#: that keep their chunks inside this process ("example").
+TAGGED_TIERS = ("fs", "obj", "p2p", "example")
+#: Secondary tiers refused: their chunks are shared under keys this spec cannot tag.
+UNTAGGABLE_TIERS = ("kvcr",)
+
+
+def storage_layout_tag(spec: Any) -> str:
+    """The identity of the bytes this spec puts in a host chunk, for secondary tiers.
+
+    vLLM's fs, obj and p2p tiers file a chunk under a digest of model, dtype, block and
+    group fields, with no field for the byte layout inside the chunk; with their
+    parallel-agnostic folders they also drop the parallel sizes when vLLM declares a
+    block parallelism-invariant. This project's rows are neither vLLM's layout nor
+    invariant across parallel layouts (each worker's page is plane-major over its own
+    shard), so the tag names the row layout version, the per-worker page and chunk
+    geometry, and the parallel sizes, except under ``replicated_layout`` where the one
+    copy of a chunk is the same bytes whatever the TP size.
+    """
+    from triton_offload.layout import ROW_LAYOUT_VERSION
+
+    config = spec.config
+    parts = [
+        f"triton_offload-rows-v{ROW_LAYOUT_VERSION}",
+        f"page{int(spec.cpu_page_size_per_worker)}",
+        f"bpc{int(spec.blocks_per_chunk)}",
+    ]
+    if not spec.replicated_layout:
+        parallel = config.parallel
+        parts.append(
+            f"tp{parallel.tp_size}-pp{parallel.pp_size}-pcp{parallel.pcp_size}"
+            f"-dcp{parallel.dcp_size}"
+        )
+    kv_cache_layout = getattr(config, "kv_cache_layout", None)
+    if kv_cache_layout:
+        parts.append(f"kv-{kv_cache_layout}")
+    return ":".join(parts)
+
+
+def check_secondary_tiers(tiers: Any, spec_name: str) -> None:
+    """Refuse tiers whose chunks could be shared with another layout (ValueError).
+
+    A tier outside :data:`TAGGED_TIERS` and :data:`UNTAGGABLE_TIERS` (an out-of-tree
+    tier) is let through with a warning: it is kept apart only if it files chunks with
+    vLLM's ``FileMapper.from_offloading_spec`` (which carries the layout tag).
+    """
+    if not isinstance(tiers, list):
+        return  # vLLM's tiering spec raises its own error for this
+    for index, tier in enumerate(tiers):
+        tier_type = tier.get("type") if isinstance(tier, Mapping) else None
+        key = f"kv_connector_extra_config['secondary_tiers'][{index}]['type']"
+        if tier_type in UNTAGGABLE_TIERS:
+            raise ValueError(
+                f"{key} {tier_type!r} is not supported by {spec_name}: that tier shares "
+                "chunks between instances keyed by block hash alone, with no field this "
+                "spec can tag with its row layout, so it could hand back chunks written "
+                "in vLLM's layout (or another geometry's) as this project's rows; use "
+                f"one of {TAGGED_TIERS[:3]}"
+            )
+        if tier_type is not None and tier_type not in TAGGED_TIERS:
+            logger.warning(
+                "%s %r is an out-of-tree tier: %s keeps its chunks apart from other "
+                "layouts only if the tier files them with vLLM's "
+                "FileMapper.from_offloading_spec (its dtype field carries the layout "
+                "tag); give it storage no other layout uses",
+                key,
+                tier_type,
+                spec_name,
+            )
 
 
 def _release_region(region: Any, cuda_api: Any) -> None:
@@ -919,11 +994,32 @@ def _build_classes() -> dict[str, type]:
         project's data path between the GPU and the CPU tier.
 
         The scheduler side is vLLM's ``TieringOffloadingManager`` unchanged (its
-        region, promotions and cascades to fs/obj/p2p/KVCR tiers); the worker maps the
-        same region as vLLM's tiering worker does.
+        region, promotions and cascades to the fs, obj and p2p tiers); the worker maps
+        the same region as vLLM's tiering worker does. Those tiers keep this spec's
+        chunks apart from any other layout's: the KV dtype they hash into their storage
+        name carries :func:`storage_layout_tag` (``self.storage_layout``), so a shared
+        ``root_dir``, bucket prefix or peer never hands stock vLLM's chunks (or those
+        of another page geometry or parallel layout) to these rows, nor these rows to
+        them. The KVCR tier, which has no such name, is refused (ValueError).
         """
 
         _tiering_region = True
+
+        def __init__(self, config: Any) -> None:
+            check_secondary_tiers(
+                config.extra_config.get("secondary_tiers", []), type(self).__name__
+            )
+            super().__init__(config)
+            # Every secondary tier that names its storage with vLLM's FileMapper (the
+            # fs folder, the obj key prefix, the p2p peer fingerprint) hashes the
+            # config's KV dtype: tagging it with this layout files these rows apart
+            # from stock vLLM's chunks and from other geometries, in every such tier.
+            self.storage_layout = storage_layout_tag(self)
+            model = self.config.model
+            self.config = dataclasses.replace(
+                self.config,
+                model=dataclasses.replace(model, dtype=f"{model.dtype}+{self.storage_layout}"),
+            )
 
     for cls in (TritonOffloadingWorker, TritonOffloadingSpec, TritonTieringOffloadingSpec):
         cls.__module__ = __name__
@@ -960,7 +1056,9 @@ __all__ = [
     "EXTRA_CONFIG_KEYS",
     "SPEC_NAME",
     "SUPPORTED_VLLM",
+    "TAGGED_TIERS",
     "TIERING_SPEC_NAME",
+    "UNTAGGABLE_TIERS",
     "EngineOptions",
     "TritonOffloadingConnector",
     "TritonOffloadingSpec",
@@ -968,10 +1066,12 @@ __all__ = [
     "TritonTieringOffloadingSpec",
     "UnsupportedVLLMError",
     "caches_from_canonical",
+    "check_secondary_tiers",
     "check_vllm_version",
     "import_vllm_api",
     "installed_vllm_version",
     "plan_from_offloading_config",
     "register",
     "split_job",
+    "storage_layout_tag",
 ]
