@@ -10,7 +10,9 @@ worker's pages with ``cudaHostRegister`` in pieces. Rows:
 - ``create``: region creation alone (a worker of one, per-worker layout), then its
   clean-up outside the timing;
 - ``create_and_lock``: the same plus locking (CUDA only; skipped with the reason
-  elsewhere).
+  elsewhere);
+- ``store_ledger``: the replicated layout's store ledger (a second, small region and
+  its barrier), alone and with two workers meeting at a gloo barrier as vLLM's do.
 
 Each row records ``bytes``, ``GBps`` (bytes / fastest round) and ``ratio`` (the
 first-touch time over the row's, same run) in ``extra_info``.
@@ -142,3 +144,94 @@ def test_create_and_lock(benchmark: Any) -> None:
     benchmark.group = "vLLM region start-up"
     total, seconds = _measure(benchmark, lock=True)
     _report(benchmark, total, seconds, _first_touch_seconds(total), "create + lock")
+
+
+# ------------------------------------------------------------------ store ledger
+
+#: Chunk counts of the replicated layout's store ledger: a 16 GiB region of 2 MiB
+#: chunks, and a ~100 GiB region of 96 KiB chunks (the most chunks a region has).
+LEDGER_CHUNKS = (8192, 1 << 20)
+LEDGER_WORKERS = 2
+
+
+def _ledger_rank(rank: int, init: str, num_chunks: int, out: Any) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=LEDGER_WORKERS)
+    try:
+        barrier_alone, with_ledger = [], []
+        for round_ in range(ROUNDS):
+            dist.barrier()
+            start = time.perf_counter()
+            dist.barrier()
+            barrier_alone.append(time.perf_counter() - start)
+            dist.barrier()
+            start = time.perf_counter()
+            # What get_worker adds under the replicated layout: a second region and
+            # its barrier (the same gloo barrier vLLM's workers meet at).
+            ledger = vllm_region.StoreLedger(f"{init[-12:]}-{round_}", num_chunks, dist.barrier)
+            with_ledger.append(time.perf_counter() - start)
+            ledger.close()
+        out.put((rank, barrier_alone, with_ledger))
+    finally:
+        dist.destroy_process_group()
+
+
+def _ledger_start_up(num_chunks: int, tmp: str) -> tuple[float, float]:
+    """(barrier alone, ledger creation incl. its barrier): slowest rank, best round (s)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    out = context.Queue()
+    init = f"file://{tmp}/gloo-{uuid.uuid4().hex[:12]}"
+    workers = [
+        context.Process(target=_ledger_rank, args=(rank, init, num_chunks, out))
+        for rank in range(LEDGER_WORKERS)
+    ]
+    for worker in workers:
+        worker.start()
+    results = [out.get(timeout=60) for _ in workers]
+    for worker in workers:
+        worker.join(timeout=60)
+    rounds = range(ROUNDS)
+    barrier = min(max(r[1][i] for r in results) for i in rounds)
+    ledger = min(max(r[2][i] for r in results) for i in rounds)
+    return barrier, ledger
+
+
+@pytest.mark.parametrize("num_chunks", LEDGER_CHUNKS)
+def test_store_ledger(benchmark: Any, num_chunks: int, tmp_path: Any) -> None:
+    """Start-up cost of the replicated layout's store ledger, per worker.
+
+    Timed row: creating the ledger in one process (no barrier). ``extra_info``: the
+    same with vLLM's kind of barrier (gloo, two processes), the barrier alone, and the
+    ``/dev/shm`` bytes the ledger maps.
+    """
+    benchmark.group = "vLLM store ledger start-up"
+    if benchmark.disabled and num_chunks != LEDGER_CHUNKS[0]:
+        pytest.skip("the largest ledger is measured with --benchmark-enable only")
+    ledgers: list[Any] = []
+
+    def create() -> None:
+        while ledgers:
+            ledgers.pop().close()
+        ledgers.append(vllm_region.StoreLedger(f"bench-{uuid.uuid4()}", num_chunks, None))
+
+    try:
+        benchmark.pedantic(create, rounds=ROUNDS, iterations=1)
+        mapped = int(ledgers[0].region.total_size_bytes)
+    finally:
+        while ledgers:
+            ledgers.pop().close()
+    barrier, ledger = _ledger_start_up(num_chunks, str(tmp_path))
+    benchmark.extra_info.update(
+        chunks=num_chunks,
+        bytes=mapped,
+        barrier_ms=round(barrier * 1e3, 3),
+        ledger_with_barrier_ms=round(ledger * 1e3, 3),
+    )
+    print(
+        f"\nstore ledger, {num_chunks} chunks: {mapped / 1024:.0f} KiB of /dev/shm; "
+        f"{LEDGER_WORKERS} workers (gloo): {ledger * 1e3:.2f} ms with its barrier "
+        f"(barrier alone {barrier * 1e3:.2f} ms)"
+    )

@@ -331,15 +331,31 @@ def test_replicated_layout_keeps_one_copy_per_chunk(
         ({"backend": "cuda"}, "'cuda'"),
         ({"num_programs": 0}, "num_programs.*0"),
         ({"num_programs": True}, "num_programs.*True"),
-        ({"crossover": -4}, "crossover.*-4"),
-        ({"crossover": {"store": 4096}}, "crossover.*store"),
-        ({"crossover": {"store": 4096, "load": "big"}}, "crossover.load.*big"),
+        ({"crossover": -4}, r"\['crossover'\] -4 must be >= 0"),
+        ({"crossover": 2.5}, r"\['crossover'\] must be an int of page bytes, got 2.5"),
+        ({"crossover": {"store": 4096}}, r"\['crossover'\] \{'store': 4096\} needs exactly"),
+        ({"crossover": {"store": 4096, "load": "big"}}, r"\['crossover'\]\['load'\].*'big'"),
+        ({"crossover": {"store": -1, "load": 0}}, r"\['crossover'\]\['store'\] -1 must be"),
         ({"canonical_layout": True}, "canonical_layout"),
     ],
 )
 def test_bad_extra_config_is_rejected(tv: Any, extra: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         tv.TritonOffloadingSpec(_config(extra))
+
+
+@needs_vllm
+@pytest.mark.parametrize(
+    ("crossover", "parsed"),
+    [(0, 0), (4096, 4096), ({"store": 0, "load": 65536}, {"store": 0, "load": 65536})],
+)
+def test_crossover_takes_the_engines_rule(tv: Any, crossover: Any, parsed: Any) -> None:
+    """0 page bytes (DMA for every plane) is valid for the engine, so for the spec too."""
+    from triton_offload.selection import parse_crossover
+
+    options = tv.EngineOptions.from_extra_config({"crossover": crossover})
+    assert options.crossover == parsed
+    assert parse_crossover(options.crossover) == parse_crossover(crossover)
 
 
 @needs_vllm
@@ -350,6 +366,45 @@ def test_extra_config_reaches_the_engine(tv: Any) -> None:
     worker = spec.get_worker(Caches().canonical)
     assert worker.engine.backend == "torch"
     assert worker.engine.num_programs == 7
+    worker.shutdown()
+
+
+@needs_vllm
+def test_expedited_loads_reach_the_engines_expedited_lane(
+    tv: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from triton_offload.layout import pool_plane_view
+
+    spec = tv.TritonOffloadingSpec(_config({"backend": "torch"}))
+    caches = Caches()
+    worker = spec.get_worker(caches.canonical)
+    engine = worker.engine
+    calls: list[tuple[int, Any]] = []
+    submit = engine.submit_load
+
+    def spy(job_id: int, job: Any, **kwargs: Any) -> bool:
+        calls.append((job_id, kwargs.get("expedited")))
+        return submit(job_id, job, **kwargs)
+
+    monkeypatch.setattr(engine, "submit_load", spy)
+    generator = torch.Generator().manual_seed(5)
+    engine.pool.copy_(
+        torch.randint(0, 256, engine.pool.shape, dtype=torch.uint8, generator=generator)
+    )
+    # Attention blocks 4 and 8 from chunk 3 (expedited), block 10 from slot 1 of chunk 5.
+    fast = GPULoadStoreSpec([4, 8], group_sizes=[2, 0], block_indices=[0, 0])
+    regular = GPULoadStoreSpec([10], group_sizes=[1, 0], block_indices=[1, 0])
+    assert worker.submit_load(1, CPULoadStoreSpec([3]), fast, expedited=True)
+    assert worker.submit_load(2, CPULoadStoreSpec([5]), regular)
+    worker.wait({1})
+    assert calls == [(1, True), (2, False)]
+    results = worker.get_finished()
+    assert sorted((r.job_id, r.success) for r in results) == [(1, True), (2, True)]
+    assert worker.get_finished() == []
+    for number, index in enumerate(engine.layout.group_planes[0]):
+        rows = pool_plane_view(engine.pool, engine.layout.planes[index], BPC)
+        for block, row, slot in [(4, 3, 0), (8, 3, 1), (10, 5, 1)]:
+            assert torch.equal(caches.page(0, number, block), rows[row, slot])
     worker.shutdown()
 
 

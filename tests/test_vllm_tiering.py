@@ -9,6 +9,9 @@ blocks byte-exactly. The scheduler side (manager, region, fs tier) is vLLM's own
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import logging
 import os
 import time
 import uuid
@@ -54,19 +57,24 @@ NUM_CHUNKS = 2
 TIMEOUT_S = 20
 
 
-def make_config(root: Path) -> OffloadingConfig:
-    return OffloadingConfig(
+def make_config(
+    root: Path,
+    spec_name: str = "TritonTieringOffloadingSpec",
+    tiers: list[dict[str, Any]] | None = None,
+    **changes: Any,
+) -> OffloadingConfig:
+    config = OffloadingConfig(
         groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("attn",), group_id=0),),
         worker_kv_bytes_per_block=2 * PLANE_BYTES,
         enable_kv_cache_events=False,
         extra_config={
-            "spec_name": "TritonTieringOffloadingSpec",
+            "spec_name": spec_name,
             "spec_module_path": "triton_offload.vllm",
             "cpu_bytes_to_use": NUM_CHUNKS * PAGE,
             "backend": "torch",
-            "secondary_tiers": [
-                {"type": "fs", "root_dir": str(root), "n_read_threads": 1, "n_write_threads": 1}
-            ],
+            "secondary_tiers": tiers
+            if tiers is not None
+            else [{"type": "fs", "root_dir": str(root), "n_read_threads": 1, "n_write_threads": 1}],
         },
         engine_id=f"tiering-{uuid.uuid4()}",
         model=OffloadingModelConfig(name="test", dtype="bfloat16", max_model_len=1024),
@@ -84,6 +92,7 @@ def make_config(root: Path) -> OffloadingConfig:
             is_parallelism_agnostic=False,
         ),
     )
+    return dataclasses.replace(config, **changes)
 
 
 def _settle(manager: Any) -> None:
@@ -179,3 +188,111 @@ def test_round_trip_through_the_fs_tier(tmp_path: Path) -> None:
         worker.shutdown()
         manager.shutdown()
     assert not os.path.exists(region_path)
+
+
+# ------------------------------------------------------------ tier namespaces
+
+
+def _parallel(tp: int, agnostic: bool) -> OffloadingParallelConfig:
+    return OffloadingParallelConfig(
+        rank=0,
+        world_size=tp,
+        tp_size=tp,
+        pp_size=1,
+        pcp_size=1,
+        dcp_size=1,
+        data_parallel_index=0,
+        data_parallel_size=1,
+        data_parallel_rank_local=None,
+        is_parallelism_agnostic=agnostic,
+    )
+
+
+def _fs_folder(config: OffloadingConfig, root: Path) -> str:
+    """The folder vLLM's fs tier files this spec's chunks in: its own FileMapper call."""
+    from vllm.v1.kv_offload.file_mapper import FileMapper
+
+    spec = OffloadingSpecFactory.create_spec(config)
+    mapper = FileMapper.from_offloading_spec(
+        root_dir=str(root),
+        offloading_spec=spec,
+        blocks_per_file=spec.blocks_per_chunk,
+        parallel_agnostic=True,
+    )
+    return mapper.base_path
+
+
+def test_fs_tier_files_these_rows_apart_from_stock_vllm(tmp_path: Path) -> None:
+    """One root_dir, one model: vLLM's CPU tier layout and this one get different folders."""
+    stock_spec = OffloadingSpecFactory.create_spec(make_config(tmp_path, "TieringOffloadingSpec"))
+    ours_spec = OffloadingSpecFactory.create_spec(make_config(tmp_path))
+    assert type(stock_spec).__name__ == "TieringOffloadingSpec"
+    folders = []
+    for spec in (stock_spec, ours_spec):
+        manager = spec.get_manager()
+        try:
+            (fs_tier,) = manager.secondary_tiers
+            folders.append(fs_tier.file_mapper.base_path)
+            key = make_offload_key(b"chunk", 0)
+            assert fs_tier.file_mapper.get_file_name(key).startswith(str(tmp_path))
+        finally:
+            manager.shutdown()
+    stock, ours = folders
+    assert stock != ours
+    # The folder's config.json says which layout its chunks are in.
+    with open(os.path.join(ours, "config.json")) as handle:
+        dtype = json.load(handle)["dtype"]
+    assert dtype == f"bfloat16+{ours_spec.storage_layout}"
+    assert ours_spec.storage_layout.startswith("triton_offload-rows-v1:page4096:bpc2")
+    # Another spec instance of the same deployment (a restart) finds the same folder.
+    assert _fs_folder(make_config(tmp_path), tmp_path) == ours
+
+
+def test_parallel_agnostic_fs_folders_still_separate_tp_sizes(tmp_path: Path) -> None:
+    """vLLM folds TP sizes into one folder for a parallelism-invariant block; this
+    layout's rows are per-worker pages, so TP 2 and TP 4 must not share chunks."""
+    cpu_bytes = {"cpu_bytes_to_use": 4 * NUM_CHUNKS * PAGE}
+
+    def config(spec_name: str, tp: int) -> OffloadingConfig:
+        base = make_config(tmp_path, spec_name, parallel=_parallel(tp, agnostic=True))
+        return dataclasses.replace(base, extra_config={**base.extra_config, **cpu_bytes})
+
+    stock = {tp: _fs_folder(config("TieringOffloadingSpec", tp), tmp_path) for tp in (2, 4)}
+    ours = {tp: _fs_folder(config("TritonTieringOffloadingSpec", tp), tmp_path) for tp in (2, 4)}
+    assert stock[2] == stock[4]  # what vLLM does with its own layout
+    assert ours[2] != ours[4]
+    assert not set(ours.values()) & set(stock.values())
+
+
+def test_replicated_layout_shares_fs_folders_across_tp_sizes(tmp_path: Path) -> None:
+    """Under replicated_layout one copy of a chunk is the same rows whatever the TP size."""
+    folders = {
+        tp: _fs_folder(
+            make_config(tmp_path, parallel=_parallel(tp, agnostic=False), replicated_layout=True),
+            tmp_path,
+        )
+        for tp in (2, 4)
+    }
+    assert folders[2] == folders[4]
+    stock = make_config(
+        tmp_path,
+        "TieringOffloadingSpec",
+        parallel=_parallel(2, agnostic=False),
+        replicated_layout=True,
+    )
+    assert _fs_folder(stock, tmp_path) != folders[2]
+
+
+def test_kvcr_tier_is_refused_and_out_of_tree_tiers_warned(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    tiers = [{"type": "fs", "root_dir": str(tmp_path)}, {"type": "kvcr", "control_ports": [1]}]
+    with pytest.raises(
+        ValueError, match=r"\['secondary_tiers'\]\[1\]\['type'\] 'kvcr' is not supported"
+    ):
+        OffloadingSpecFactory.create_spec(make_config(tmp_path, tiers=tiers))
+    tiers = [{"type": "mine", "module_path": "my_tiers"}]
+    with caplog.at_level(logging.WARNING, logger="vllm.triton_offload"):
+        spec = OffloadingSpecFactory.create_spec(make_config(tmp_path, tiers=tiers))
+    assert "['secondary_tiers'][0]['type'] 'mine' is an out-of-tree tier" in caplog.text
+    assert spec.storage_layout in spec.config.model.dtype

@@ -15,14 +15,19 @@ the job's planes:
   others, per plane from a crossover measured at start-up (or configured).
 
 The engine itself keeps streams, events, FIFO completion and the lifecycle. On CUDA
-every job runs on a dedicated stream per direction, after an event recorded on the
-caller's current stream at submit time: a store must not read KV before compute wrote
-it, a load must not overwrite blocks that attention may still read. A job's copiers
-run one after another on that stream between one start and one end event; the start
-is recorded after the host work (address arithmetic, table staging and upload), so
-``transfer_time`` is the copy. Jobs complete in FIFO order per direction. Without
-CUDA jobs run synchronously at submit and ``get_finished`` reports them once, in
-submit order.
+every job runs on a dedicated stream per lane, after an event recorded on the caller's
+current stream at submit time: a store must not read KV before compute wrote it, a load
+must not overwrite blocks that attention may still read. The lanes are stores, loads
+and expedited loads (``submit_load(..., expedited=True)``: a load the caller waits on
+within its step, e.g. vLLM's synchronous loads, which must not queue behind regular
+loads; it runs on a third stream of the device's highest priority). A job's copiers
+run one after another on its lane's stream between one start and one end event; the
+start is recorded after the host work (address arithmetic, table staging and upload),
+so ``transfer_time`` is the copy. Jobs complete in FIFO order per lane. Without CUDA
+jobs run synchronously at submit (``expedited`` is accepted and changes nothing but
+the lane's copy lock: an expedited copy never waits for another thread's regular
+load) and ``get_finished`` reports them once, in the order they finished (submit order
+for one thread).
 
 Job ids: any hashable; an id is in flight from its submit until ``get_finished``
 reported it, and may be reused after that. ``wait`` blocks until jobs finished and
@@ -35,7 +40,7 @@ Threads: ``submit_store``, ``submit_load``, ``get_finished``, ``wait`` and
 ``shutdown`` may be called from different threads (a lock guards the job books).
 Every accepted job is reported exactly once, and only after its bytes landed (CUDA:
 its end event completed; CPU: its copy returned, helper threads included). On CPU one
-job per direction copies at a time, outside the lock, so ``get_finished`` does not
+job per lane copies at a time, outside the lock, so ``get_finished`` does not
 wait for a copy. ``wait`` on an id another thread already reported raises ValueError.
 
 Failures: a job interrupted by any exception, ``KeyboardInterrupt`` included, is
@@ -121,6 +126,10 @@ _BACKEND_COPIERS = {
     "dma": ("dma",),
     "torch": ("torch",),
 }
+#: The lane of expedited loads, beside ``TO_POOL`` (stores) and ``FROM_POOL`` (loads):
+#: its own FIFO queue, stream and copy lock.
+EXPEDITED_LOAD = 2
+_LANES = (TO_POOL, FROM_POOL, EXPEDITED_LOAD)
 
 
 @dataclass(frozen=True)
@@ -145,6 +154,7 @@ class _Job:
     direction: int
     assignment: Assignment
     transfer_size: int
+    lane: int
     success: bool = True
     transfer_time: float = 0.0
     start: Any = None  # torch.cuda.Event
@@ -192,7 +202,8 @@ class TransferEngine:
             with contiguous rows (``stride(1) == 1``) spaced ``stride(0) >= row_bytes``
             bytes apart (pinned when CUDA is used), on the host or the caches' GPU and
             sharing no byte with a cache; allocated when None.
-        stream_priority: priority of the two transfer streams (CUDA).
+        stream_priority: priority of the store and load streams (CUDA); the
+            expedited-load stream has the device's highest priority.
         crossover: DMA/Triton switch for "auto" on CUDA: page bytes at or above
             which DMA is used, as an int or ``{"store": int, "load": int}``;
             measured at start-up when None.
@@ -299,16 +310,16 @@ class TransferEngine:
         self._bytes_per_block = self.layout.bytes_per_block
 
         self._active: dict[Hashable, _Job] = {}
-        self._queues: dict[int, deque[_Job]] = {TO_POOL: deque(), FROM_POOL: deque()}
+        self._queues: dict[int, deque[_Job]] = {lane: deque() for lane in _LANES}
         self._finished: deque[_Job] = deque()  # CPU: completed, in completion order
         self._closed = False
         # Guards the job books (_active, _queues, _finished, _closed) and, on CUDA, the
         # enqueue of a job together with its place in the FIFO queue. Reentrant: the
         # calibration submits jobs through _submit.
         self._lock = threading.RLock()
-        # CPU: one job per direction copies at a time (the CUDA streams' FIFO order);
+        # CPU: one job per lane copies at a time (the CUDA streams' FIFO order);
         # copies run outside _lock so that get_finished never waits for a copy.
-        self._copy_locks = {TO_POOL: threading.Lock(), FROM_POOL: threading.Lock()}
+        self._copy_locks = {lane: threading.Lock() for lane in _LANES}
         self.last_job_table: PairTable | None = None
         self.last_job_backend: str | None = None
         self.last_job_assignment: Assignment | None = None
@@ -319,6 +330,9 @@ class TransferEngine:
                 direction: torch.cuda.Stream(device=self.device, priority=stream_priority)
                 for direction in (TO_POOL, FROM_POOL)
             }
+            # A lower number is a higher priority; (lowest, highest) of this device.
+            _, highest = torch.cuda.Stream.priority_range()
+            self._streams[EXPEDITED_LOAD] = torch.cuda.Stream(device=self.device, priority=highest)
         self.copiers: dict[str, Copier] = {
             name: self._make_copier(name) for name in _BACKEND_COPIERS[backend]
         }
@@ -409,18 +423,27 @@ class TransferEngine:
         gpu_blocks: Sequence[Any] | None = None,
         host_blocks: Sequence[Any] | None = None,
         first_block_index: Sequence[int] | None = None,
+        expedited: bool = False,
     ) -> bool:
         """Copy host rows into GPU blocks; returns False once the engine is shut down.
 
-        The job as for :meth:`submit_store`.
+        The job as for :meth:`submit_store`. ``expedited=True``: a load the caller will
+        wait on soon; it runs in its own lane (CUDA: its own FIFO queue on a stream of
+        the highest priority), so it never queues behind regular loads. Like every job
+        it still waits for what the caller's stream enqueued before the submit, and it
+        is reported once by ``get_finished``. Lanes are not ordered with each other: a
+        regular load and an expedited one must not write the same GPU blocks unless
+        the caller waits for the first (as for a store and a load of one host row).
         """
+        if not isinstance(expedited, bool):
+            raise TypeError(f"expedited must be a bool, got {expedited!r}")
         spec = JobSpec.of(
             spec,
             gpu_blocks=gpu_blocks,
             host_blocks=host_blocks,
             first_block_index=first_block_index,
         )
-        return self._submit(job_id, spec, FROM_POOL)
+        return self._submit(job_id, spec, FROM_POOL, lane=EXPEDITED_LOAD if expedited else None)
 
     def _submit(
         self,
@@ -428,6 +451,8 @@ class TransferEngine:
         spec: JobSpec,
         direction: int,
         assignment: Assignment | None = None,
+        *,
+        lane: int | None = None,
     ) -> bool:
         if self._closed:
             return False
@@ -442,7 +467,7 @@ class TransferEngine:
         size = sum(c * b for c, b in zip(counts, self._bytes_per_block, strict=True))
         if assignment is None:
             assignment = self.policy.assign(direction, counts)
-        job = _Job(job_id, direction, assignment, size)
+        job = _Job(job_id, direction, assignment, size, direction if lane is None else lane)
         with self._lock:
             if self._closed:
                 return False
@@ -453,7 +478,7 @@ class TransferEngine:
             self.last_job_assignment = assignment
             self.last_job_backend = _path_name(assignment)
             if self.cuda:
-                self._queues[direction].append(job)
+                self._queues[job.lane].append(job)
                 self._run_cuda(job, table)
                 return True
         self._run_cpu(job, table)
@@ -470,7 +495,7 @@ class TransferEngine:
         returned or failed, and a copy interrupted by any exception, KeyboardInterrupt
         included, is reported ``success=False`` before the exception propagates."""
         try:
-            with self._copy_locks[job.direction]:
+            with self._copy_locks[job.lane]:
                 runs = self._prepare(job, table, None)
                 start = time.perf_counter()
                 for run in runs:
@@ -488,7 +513,7 @@ class TransferEngine:
             job.finished.set()
 
     def _run_cuda(self, job: _Job, table: PairTable) -> None:
-        stream = self._streams[job.direction]
+        stream = self._streams[job.lane]
         # RAW for stores, WAR for loads: wait for everything the caller's stream
         # enqueued before this submit.
         ready = torch.cuda.Event()
@@ -523,7 +548,7 @@ class TransferEngine:
         with self._lock:
             job = self._active.pop(job_id)
             if self.cuda:
-                self._queues[direction].remove(job)
+                self._queues[job.lane].remove(job)
             else:
                 self._finished.remove(job)
         if self.cuda:
@@ -537,7 +562,7 @@ class TransferEngine:
     # ------------------------------------------------------------------ finish
 
     def get_finished(self) -> list[TransferResult]:
-        """Results of jobs finished since the last call, FIFO per direction; never blocks.
+        """Results of jobs finished since the last call, FIFO per lane; never blocks.
 
         Each accepted job is reported exactly once, and only after its bytes landed
         (CUDA: its end event completed; CPU: its copy returned).
@@ -585,7 +610,9 @@ class TransferEngine:
                 return
             self._closed = True
         # No copy may still run when the pool is released (CPU copies hold these).
-        with self._copy_locks[TO_POOL], self._copy_locks[FROM_POOL]:
+        with contextlib.ExitStack() as held:
+            for lock in self._copy_locks.values():
+                held.enter_context(lock)
             self._finalizer()
 
     def __enter__(self) -> TransferEngine:
@@ -607,6 +634,7 @@ class TransferEngine:
 
 
 __all__ = [
+    "EXPEDITED_LOAD",
     "Crossover",
     "DmaCopier",
     "JobSpec",

@@ -38,6 +38,11 @@ Layer = torch.Tensor | tuple[torch.Tensor, ...] | list[torch.Tensor]
 #: Byte alignment of every plane start and of the row length in the pool.
 POOL_ALIGNMENT = 16
 
+#: Version of the pool row layout above (plane-major, ``POOL_ALIGNMENT``-aligned plane
+#: starts). Bytes kept outside the process (vLLM's secondary tiers) are filed under it:
+#: raise it whenever the same caches would give different row bytes.
+ROW_LAYOUT_VERSION = 1
+
 _INT64_MAX = (1 << 63) - 1
 
 
@@ -615,6 +620,7 @@ def pool_plane_view(pool: torch.Tensor, plane: Plane, blocks_per_chunk: int) -> 
 
 __all__ = [
     "POOL_ALIGNMENT",
+    "ROW_LAYOUT_VERSION",
     "AliasRule",
     "CacheLayout",
     "CacheSource",

@@ -37,6 +37,9 @@ Decisions a user of vLLM's CPU spec would ask about:
   worker's pipeline stage is left out of the engine; its blocks are checked and skipped.
 - ``canonical_layout`` is refused: its pages are vLLM's canonical fragments, not this
   project's rows.
+- The tiering spec's fs, obj and p2p tiers file chunks under a name that carries this
+  layout (:func:`storage_layout_tag`), so they never exchange chunks with stock vLLM
+  or another geometry; the KVCR tier, which cannot be so named, is refused.
 
 Only this module and ``triton_offload.vllm_region`` touch vllm. Importing this module
 only checks that vllm is installed (ImportError naming the ``vllm`` extra otherwise);
@@ -200,14 +203,40 @@ def _positive_int(key: str, value: Any) -> int:
     return value
 
 
+def _crossover_option(value: Any) -> int | dict[str, int] | None:
+    """The ``crossover`` key, checked by the engine's own validator (``parse_crossover``).
+
+    One rule for both entry points (page bytes >= 0, an int or exactly ``store`` and
+    ``load``); its message is renamed to the extra-config key.
+    """
+    from triton_offload.jobs import FROM_POOL, TO_POOL
+    from triton_offload.selection import parse_crossover
+
+    try:
+        parsed = parse_crossover(value)
+    except (TypeError, ValueError) as error:
+        message = str(error)
+        if message.startswith("crossover"):
+            message = message[len("crossover") :]
+        if not isinstance(value, Mapping) and message.startswith("['store']"):
+            message = message[len("['store']") :]  # one value was given, not a mapping
+        raise ValueError(f"kv_connector_extra_config['crossover']{message}") from error
+    if parsed is None:
+        return None
+    if isinstance(value, Mapping):
+        return {"store": parsed.threshold[TO_POOL], "load": parsed.threshold[FROM_POOL]}
+    return parsed.threshold[TO_POOL]
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineOptions:
     """This spec's own extra-config keys, validated (see the README for each).
 
-    ``backend``: "auto" (Triton or DMA per job on CUDA from the crossover, the CPU path
-    without CUDA), "triton", "dma" or "torch" (CPU caches only). ``num_programs``:
-    Triton grid size (None = the launcher's default). ``crossover``: page bytes at or
-    above which "auto" uses DMA, an int or ``{"store": int, "load": int}``; None =
+    ``backend``: "auto" (on CUDA the copy kernel for some planes and DMA for others,
+    chosen per plane from the crossover, so one job may use both; the CPU path without
+    CUDA), "triton", "dma" or "torch" (CPU caches only). ``num_programs``: Triton grid
+    size (None = the launcher's default). ``crossover``: page bytes at or above which
+    "auto" uses DMA for a plane, an int >= 0 or ``{"store": int, "load": int}``; None =
     measured when the worker starts.
     """
 
@@ -225,18 +254,7 @@ class EngineOptions:
         num_programs = extra.get("num_programs")
         if num_programs is not None:
             num_programs = _positive_int("num_programs", num_programs)
-        crossover = extra.get("crossover")
-        if isinstance(crossover, Mapping):
-            if set(crossover) != {"store", "load"}:
-                raise ValueError(
-                    "kv_connector_extra_config['crossover'] needs exactly the keys 'store' "
-                    f"and 'load', got {dict(crossover)!r}"
-                )
-            crossover = {
-                key: _positive_int(f"crossover.{key}", crossover[key]) for key in ("store", "load")
-            }
-        elif crossover is not None:
-            crossover = _positive_int("crossover", crossover)
+        crossover = _crossover_option(extra.get("crossover"))
         return cls(backend=backend, num_programs=num_programs, crossover=crossover)
 
 
@@ -423,6 +441,78 @@ def _validate_cpu_bytes(extra: Mapping[str, Any]) -> None:
         )
 
 
+#: Secondary tiers whose storage identity is vLLM's ``FileMapper`` fields (the fs folder,
+#: the obj key prefix, the p2p peer fingerprint), which carry this spec's layout tag, or
+#: that keep their chunks inside this process ("example").
+TAGGED_TIERS = ("fs", "obj", "p2p", "example")
+#: Secondary tiers refused: their chunks are shared under keys this spec cannot tag.
+UNTAGGABLE_TIERS = ("kvcr",)
+
+
+def storage_layout_tag(spec: Any) -> str:
+    """The identity of the bytes this spec puts in a host chunk, for secondary tiers.
+
+    vLLM's fs, obj and p2p tiers file a chunk under a digest of model, dtype, block and
+    group fields, with no field for the byte layout inside the chunk; with their
+    parallel-agnostic folders they also drop the parallel sizes when vLLM declares a
+    block parallelism-invariant. This project's rows are neither vLLM's layout nor
+    invariant across parallel layouts (each worker's page is plane-major over its own
+    shard), so the tag names the row layout version, the per-worker page and chunk
+    geometry, and the parallel sizes, except under ``replicated_layout`` where the one
+    copy of a chunk is the same bytes whatever the TP size.
+    """
+    from triton_offload.layout import ROW_LAYOUT_VERSION
+
+    config = spec.config
+    parts = [
+        f"triton_offload-rows-v{ROW_LAYOUT_VERSION}",
+        f"page{int(spec.cpu_page_size_per_worker)}",
+        f"bpc{int(spec.blocks_per_chunk)}",
+    ]
+    if not spec.replicated_layout:
+        parallel = config.parallel
+        parts.append(
+            f"tp{parallel.tp_size}-pp{parallel.pp_size}-pcp{parallel.pcp_size}"
+            f"-dcp{parallel.dcp_size}"
+        )
+    kv_cache_layout = getattr(config, "kv_cache_layout", None)
+    if kv_cache_layout:
+        parts.append(f"kv-{kv_cache_layout}")
+    return ":".join(parts)
+
+
+def check_secondary_tiers(tiers: Any, spec_name: str) -> None:
+    """Refuse tiers whose chunks could be shared with another layout (ValueError).
+
+    A tier outside :data:`TAGGED_TIERS` and :data:`UNTAGGABLE_TIERS` (an out-of-tree
+    tier) is let through with a warning: it is kept apart only if it files chunks with
+    vLLM's ``FileMapper.from_offloading_spec`` (which carries the layout tag).
+    """
+    if not isinstance(tiers, list):
+        return  # vLLM's tiering spec raises its own error for this
+    for index, tier in enumerate(tiers):
+        tier_type = tier.get("type") if isinstance(tier, Mapping) else None
+        key = f"kv_connector_extra_config['secondary_tiers'][{index}]['type']"
+        if tier_type in UNTAGGABLE_TIERS:
+            raise ValueError(
+                f"{key} {tier_type!r} is not supported by {spec_name}: that tier shares "
+                "chunks between instances keyed by block hash alone, with no field this "
+                "spec can tag with its row layout, so it could hand back chunks written "
+                "in vLLM's layout (or another geometry's) as this project's rows; use "
+                f"one of {TAGGED_TIERS[:3]}"
+            )
+        if tier_type is not None and tier_type not in TAGGED_TIERS:
+            logger.warning(
+                "%s %r is an out-of-tree tier: %s keeps its chunks apart from other "
+                "layouts only if the tier files them with vLLM's "
+                "FileMapper.from_offloading_spec (its dtype field carries the layout "
+                "tag); give it storage no other layout uses",
+                key,
+                tier_type,
+                spec_name,
+            )
+
+
 def _release_region(region: Any, cuda_api: Any) -> None:
     """Unlock (with the binding that locked it), then vLLM's clean-up: unmap, unlink."""
     from triton_offload.vllm_region import unlock_worker_pages
@@ -445,7 +535,10 @@ def _build_classes() -> dict[str, type]:
         blocks on jobs still in flight (ids already reported are ignored, as vLLM's
         CPU worker does); ``shutdown`` waits for running jobs, then releases the
         region as vLLM's CPU worker does (unlock, unmap, unlink if still linked).
-        An expedited load runs on the engine's load stream like any other load.
+        ``submit_load(..., expedited=True)`` (vLLM's loads for requests that run in the
+        same step, which vLLM's connector waits for at once) goes to the engine's
+        expedited lane: on CUDA its own queue on a stream of the highest priority, so it
+        never waits behind the regular loads already queued.
 
         ``stage_groups``: the config's groups that have layers on this worker (a
         pipeline stage may hold none of a group); the engine covers only those, and
@@ -585,7 +678,7 @@ def _build_classes() -> dict[str, type]:
             if self.engine is None:
                 self._empty_jobs.append(api.TransferResult(job_id, True, 0, 0.0))
                 return True
-            accepted = bool(self.engine.submit_load(job_id, job))
+            accepted = bool(self.engine.submit_load(job_id, job, expedited=bool(expedited)))
             if accepted:
                 self._engine_jobs.add(job_id)
             return accepted
@@ -901,11 +994,32 @@ def _build_classes() -> dict[str, type]:
         project's data path between the GPU and the CPU tier.
 
         The scheduler side is vLLM's ``TieringOffloadingManager`` unchanged (its
-        region, promotions and cascades to fs/obj/p2p/KVCR tiers); the worker maps the
-        same region as vLLM's tiering worker does.
+        region, promotions and cascades to the fs, obj and p2p tiers); the worker maps
+        the same region as vLLM's tiering worker does. Those tiers keep this spec's
+        chunks apart from any other layout's: the KV dtype they hash into their storage
+        name carries :func:`storage_layout_tag` (``self.storage_layout``), so a shared
+        ``root_dir``, bucket prefix or peer never hands stock vLLM's chunks (or those
+        of another page geometry or parallel layout) to these rows, nor these rows to
+        them. The KVCR tier, which has no such name, is refused (ValueError).
         """
 
         _tiering_region = True
+
+        def __init__(self, config: Any) -> None:
+            check_secondary_tiers(
+                config.extra_config.get("secondary_tiers", []), type(self).__name__
+            )
+            super().__init__(config)
+            # Every secondary tier that names its storage with vLLM's FileMapper (the
+            # fs folder, the obj key prefix, the p2p peer fingerprint) hashes the
+            # config's KV dtype: tagging it with this layout files these rows apart
+            # from stock vLLM's chunks and from other geometries, in every such tier.
+            self.storage_layout = storage_layout_tag(self)
+            model = self.config.model
+            self.config = dataclasses.replace(
+                self.config,
+                model=dataclasses.replace(model, dtype=f"{model.dtype}+{self.storage_layout}"),
+            )
 
     for cls in (TritonOffloadingWorker, TritonOffloadingSpec, TritonTieringOffloadingSpec):
         cls.__module__ = __name__
@@ -942,7 +1056,9 @@ __all__ = [
     "EXTRA_CONFIG_KEYS",
     "SPEC_NAME",
     "SUPPORTED_VLLM",
+    "TAGGED_TIERS",
     "TIERING_SPEC_NAME",
+    "UNTAGGABLE_TIERS",
     "EngineOptions",
     "TritonOffloadingConnector",
     "TritonOffloadingSpec",
@@ -950,10 +1066,12 @@ __all__ = [
     "TritonTieringOffloadingSpec",
     "UnsupportedVLLMError",
     "caches_from_canonical",
+    "check_secondary_tiers",
     "check_vllm_version",
     "import_vllm_api",
     "installed_vllm_version",
     "plan_from_offloading_config",
     "register",
     "split_job",
+    "storage_layout_tag",
 ]

@@ -43,7 +43,7 @@ import logging
 import mmap
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -281,11 +281,27 @@ class StoreLedger:
     One int64 per chunk in its own small ``SharedOffloadRegion`` (``engine_id`` +
     ``"_triton_stores"``), created, shared and released like the data region. See the
     module docstring for the protocol and its ordering.
+
+    Why every worker creates it at start-up, although vLLM's connector never gives a
+    non-writer a store job (it acknowledges them itself): it cannot be created lazily on
+    a non-writer's first ``submit_store``. The writer has to publish every store it
+    finishes from its first one, since it cannot know whether another rank was given the
+    same job (a caller other than vLLM's connector gives it to every rank, in the same
+    step); a ledger that appeared later would miss publishes already made, and the rank
+    waiting for one would wait forever. Creating it later with the region's barrier is
+    a collective only the non-writers would reach: a deadlock. Creating it without a
+    barrier would leave its file in ``/dev/shm`` whenever a worker dies before shutdown
+    (only the barrier lets it be unlinked at once). The cost, measured by
+    ``bench/bench_region.py::test_store_ledger`` (two workers at a gloo barrier, CPU):
+    8 bytes of ``/dev/shm`` per chunk (64 KiB for 8192 chunks, 8 MiB for 2**20) and
+    0.6 ms (8192 chunks) to 7 ms (2**20) of start-up per worker, of which the
+    barrier is 0.2-0.4 ms; the rest is mapping and pre-faulting the entries. Under the
+    per-worker layout, or with one worker, there is no ledger.
     """
 
     SUFFIX = "_triton_stores"
 
-    def __init__(self, engine_id: str, num_chunks: int, barrier: Callable[[], None] | None):
+    def __init__(self, engine_id: str, num_chunks: int, barrier: Callable[[], None] | None) -> None:
         from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
         page = mmap.PAGESIZE
@@ -354,16 +370,6 @@ def wait_until(check: Callable[[], bool], what: str, warn_after: float = 30.0) -
         if not warned and time.monotonic() - start > warn_after:
             warned = True
             logger.warning("still waiting after %.0f s for %s", warn_after, what)
-
-
-def iter_unique(values: Iterable[np.ndarray]) -> Iterator[int]:
-    """The distinct ids of several id arrays, in first-seen order."""
-    seen: set[int] = set()
-    for array in values:
-        for value in array.tolist():
-            if value not in seen:
-                seen.add(value)
-                yield value
 
 
 __all__ = [
