@@ -154,3 +154,70 @@ def test_host_cost_per_job(
         f"({engine.last_job_backend})"
     )
     engine.shutdown()
+
+
+#: Page bytes of the 160-plane hybrid below: 40 attention layers with K/V pages of
+#: 8 KiB, 40 Mamba layers with a 24 KiB conv and a 1 MiB SSM state.
+CHOICE_ATTENTION_BYTES, CHOICE_CONV_BYTES, CHOICE_SSM_BYTES = 8 << 10, 24 << 10, 1 << 20
+
+
+def _choice_layout() -> Any:
+    from triton_offload.layout import build_layout
+
+    # One block per plane: only the page sizes matter to the path choice.
+    attention = [
+        (
+            torch.empty(1, CHOICE_ATTENTION_BYTES, dtype=torch.uint8),
+            torch.empty(1, CHOICE_ATTENTION_BYTES, dtype=torch.uint8),
+        )
+        for _ in range(40)
+    ]
+    mamba = [
+        (
+            torch.empty(1, CHOICE_CONV_BYTES, dtype=torch.uint8),
+            torch.empty(1, CHOICE_SSM_BYTES, dtype=torch.uint8),
+        )
+        for _ in range(40)
+    ]
+    return build_layout([attention, mamba], num_groups=2, blocks_per_chunk=1)
+
+
+def _choice_grid() -> Crossover:
+    """A calibration-shaped grid (page sizes x 16 / 256 pages, both directions)."""
+    winners = {
+        (CHOICE_ATTENTION_BYTES, 16): "triton",
+        (CHOICE_ATTENTION_BYTES, 256): "triton",
+        (CHOICE_CONV_BYTES, 16): "dma",
+        (CHOICE_CONV_BYTES, 256): "triton",
+        (CHOICE_SSM_BYTES, 16): "dma",
+        (CHOICE_SSM_BYTES, 256): "dma",
+    }
+    return Crossover(grid={0: dict(winners), 1: dict(winners)})
+
+
+def test_path_choice_per_job(benchmark: Any) -> None:
+    """Host microseconds of the per-plane path choice of one job, 160 planes.
+
+    Jobs as serving produces them: 1-512 attention blocks, and the Mamba state at the
+    hit end (0 or 1 block), stores and loads alternating; 512 distinct jobs cycled.
+    """
+    import itertools
+
+    import numpy as np
+
+    layout = _choice_layout()
+    assert len(layout.planes) == 160
+    policy = CrossoverPath(layout, _choice_grid(), "plane")
+    rng = np.random.default_rng(3)
+    jobs = [(i % 2, (int(rng.integers(1, 513)), int(rng.integers(0, 2)))) for i in range(512)]
+    cycle = itertools.cycle(jobs)
+
+    def one_job() -> None:
+        direction, counts = next(cycle)
+        policy.assign(direction, counts)
+
+    benchmark.group = "path choice per job: 160 planes"
+    benchmark(one_job)
+    us = benchmark.stats.stats.median * 1e6 if benchmark.stats is not None else float("nan")
+    benchmark.extra_info.update(us_per_job=round(us, 2), planes=len(layout.planes))
+    print(f"\npath choice, 160 planes: {us:9.2f} us/job")
