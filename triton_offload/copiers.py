@@ -22,6 +22,7 @@ from __future__ import annotations
 import abc
 import math
 import os
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -296,38 +297,64 @@ def _pinned_int64(numel: int) -> torch.Tensor:
 
 
 class StagingRing:
-    """Pinned int64 buffers for pair tables; each is reused only after its job ended."""
+    """Pinned int64 buffers for staged tables; each is reused only after its job ended.
+
+    A buffer is free (never used, or its job ended), held (acquired, its release not yet
+    registered) or busy (released after an event that has not completed). Busy buffers
+    wait in release order: each transfer stream finishes its jobs in submit order, so
+    when the oldest busy buffer's event has not completed the newer ones mostly have
+    not either, and a job queries that one event only.
+    """
 
     def __init__(self, limit: int = MAX_STAGING_BUFFERS) -> None:
         self.buffers: list[torch.Tensor] = []
+        #: The event each buffer was last released after (None: never released).
         self.events: list[Any] = []
-        # Submit order of each buffer's last job: the oldest finishes first (FIFO
-        # streams), so that is the one to wait for when every buffer is busy.
-        self.release_order: list[int] = []
-        self.releases = 0
+        self._free: list[int] = []
+        self._busy: deque[int] = deque()
         self.limit = limit
 
     def acquire(self, numel: int) -> tuple[int, torch.Tensor]:
-        for index, event in enumerate(self.events):
-            if event is None or event.query():
-                if self.buffers[index].numel() < numel:
-                    self.buffers[index] = _pinned_int64(numel)
-                self.events[index] = None
-                return index, self.buffers[index][:numel]
+        """A buffer of at least ``numel`` words, held until :meth:`release_after`."""
+        index = self._take()
+        if self.buffers[index].numel() < max(numel, 1):
+            self.buffers[index] = _pinned_int64(numel)
+        return index, self.buffers[index][:numel]
+
+    def _take(self) -> int:
+        if self._free:
+            return self._free.pop()
+        busy = self._busy
+        if busy and self._ended(busy[0]):
+            return busy.popleft()
         if len(self.buffers) < self.limit:
-            self.buffers.append(_pinned_int64(numel))
+            self.buffers.append(torch.empty(0, dtype=torch.int64))  # sized by acquire
             self.events.append(None)
-            self.release_order.append(0)
-            return len(self.buffers) - 1, self.buffers[-1][:numel]
-        # All buffers belong to running jobs: wait for the oldest use to finish.
-        index = min(range(len(self.events)), key=self.release_order.__getitem__)
+            return len(self.buffers) - 1
+        if not busy:
+            raise RuntimeError(f"all {self.limit} staging buffers are held by unreleased jobs")
+        # Every buffer is in use. Stores and loads end independently, so a newer buffer
+        # may have ended before the oldest: taking it is cheaper than blocking the host.
+        for position in range(1, len(busy)):
+            if self._ended(busy[position]):
+                index = busy[position]
+                del busy[position]
+                return index
+        index = busy.popleft()
         self.events[index].synchronize()
-        return self.acquire(numel)
+        return index
+
+    def _ended(self, index: int) -> bool:
+        event = self.events[index]
+        return event is None or bool(event.query())
 
     def release_after(self, index: int, event: Any) -> None:
+        """Free buffer ``index`` once ``event`` completed (at once for None)."""
         self.events[index] = event
-        self.releases += 1
-        self.release_order[index] = self.releases
+        if event is None:
+            self._free.append(index)
+        else:
+            self._busy.append(index)
 
 
 def table_layout(num_pairs: int, num_offsets: int) -> tuple[int, int]:
