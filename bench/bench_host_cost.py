@@ -59,6 +59,24 @@ class _CountingBatch:
         return 0
 
 
+class _Stream:
+    cuda_stream = 0
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+
+class _Event:
+    def __init__(self, enable_timing: bool = False) -> None:
+        pass
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
 def _kernels() -> SimpleNamespace:
     launches: list[int] = []
     return SimpleNamespace(
@@ -117,18 +135,24 @@ def test_host_cost_per_job(
 
     # Pinned staging needs CUDA; the fill and upload cost the same on a plain buffer.
     monkeypatch.setattr(copiers, "_pinned_int64", lambda n: torch.empty(n, dtype=torch.int64))
+    # The kernel tables of a plane subset are uploaded on the job's stream, ordered by an
+    # event: stand-ins for both (the engine runs the CUDA-shaped copier on the CPU).
+    stream = _Stream()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
     engine, ws, counters = _engine(case_name, copier)
     lists = {"gpu_blocks": ws.gpu_blocks, "host_blocks": ws.host_rows}
     job = iter(range(1 << 30))
 
-    def one_job() -> None:
+    def one_job() -> list[Any]:
         engine.submit_store(next(job), **lists)
-        engine.get_finished()
+        return engine.get_finished()
 
-    one_job()  # tables of plane subsets are built once, not per job: not timed
+    # Tables of plane subsets are built once, not per job: not timed.
+    assert [r.success for r in one_job()] == [True]
     counters["batch"].calls = counters["batch"].descriptors = counters["api"].calls = 0
     counters["kernels"].launches.clear()
-    one_job()  # one counted job
+    assert [r.success for r in one_job()] == [True]  # one counted job
     launches = len(counters["kernels"].launches)
     calls = counters["batch"].calls + counters["api"].calls
     descriptors = counters["batch"].descriptors + counters["api"].calls
