@@ -107,6 +107,7 @@ from triton_offload.selection import (
     PathChoice,
     PathPolicy,
     calibrate,
+    calibration_slice,
     parse_crossover,
 )
 
@@ -201,6 +202,10 @@ class TransferEngine:
         pool_piece_bytes: size of each ``cudaHostRegister`` call for the pool.
         path_choice: for "auto": ``"plane"`` (each plane by its own best copier) or
             ``"job"`` (one copier per job, from the job's mean page size).
+        calibration_rows: ``(k, n)``: the start-up calibration stores into and loads
+            from only the k-th of n equal, disjoint slices of the pool's rows. Engines
+            whose pools share rows (one region, replicated chunks) and calibrate at the
+            same time pass distinct k and the same n; default ``(0, 1)``: every row.
     """
 
     def __init__(
@@ -217,6 +222,7 @@ class TransferEngine:
         num_programs: int | None = None,
         pool_piece_bytes: int = DEFAULT_PIECE_BYTES,
         path_choice: PathChoice = "plane",
+        calibration_rows: tuple[int, int] = (0, 1),
     ) -> None:
         if backend not in _BACKENDS:
             raise ValueError(f"backend {backend!r} is not one of {_BACKENDS}")
@@ -230,6 +236,8 @@ class TransferEngine:
             # Checked on every backend: 0 or -3 launched an empty grid on the kernel path
             # (every job "succeeded", nothing moved) and "4" failed every job later.
             num_programs = check_int("num_programs", num_programs, 1)
+        #: Pool rows the calibration may overwrite (see ``calibration_rows``).
+        self.calibration_rows: range = calibration_slice(calibration_rows, num_host_blocks)
         if not isinstance(plan, OffloadPlan):
             raise TypeError(
                 f"plan must be an OffloadPlan (from plan_offload), got {type(plan).__name__} "

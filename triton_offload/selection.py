@@ -221,6 +221,28 @@ CALIBRATION_MAX_BYTES = 16 << 20
 CALIBRATION_REPEATS = 3
 
 
+def calibration_slice(rows: object, num_rows: int) -> range:
+    """The k-th of n equal, disjoint slices of ``range(num_rows)`` for ``rows = (k, n)``.
+
+    Ranks whose pools share rows pass distinct k: their calibrations store into and
+    load from disjoint rows, so none loads another's bytes into its caches.
+    """
+    if (
+        not isinstance(rows, tuple)
+        or len(rows) != 2
+        or any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) for v in rows)
+    ):
+        raise TypeError(f"calibration_rows must be a tuple (k, n) of two ints, got {rows!r}")
+    k, n = int(rows[0]), int(rows[1])
+    if n < 1 or not 0 <= k < n:
+        raise ValueError(f"calibration_rows {rows!r} needs n >= 1 and 0 <= k < n")
+    if n > num_rows:
+        raise ValueError(
+            f"calibration_rows {rows!r}: {n} slices of {num_rows} pool rows leave some empty"
+        )
+    return range(k * num_rows // n, (k + 1) * num_rows // n)
+
+
 def _calibration_page_sizes(layout: CacheLayout, limit: int = 4) -> list[int]:
     sizes = sorted({plane.page_bytes for plane in layout.planes})
     if len(sizes) <= limit:
@@ -242,15 +264,16 @@ def _calibration_job(
     if not planes:
         return None
     bpc = layout.blocks_per_chunk
+    own_rows = np.asarray(engine.calibration_rows, dtype=np.int64)
     pages = min(
         wanted,
         layout.group_num_blocks[best],
-        engine.num_host_blocks * bpc,
+        own_rows.size * bpc,
         max(1, CALIBRATION_MAX_BYTES // (page * len(planes))),
     )
     # Scattered blocks and rows, as in real jobs (runs merge only where they would).
     blocks = rng.permutation(layout.group_num_blocks[best])[:pages]
-    rows = rng.permutation(engine.num_host_blocks)[: -(-pages // bpc)]
+    rows = own_rows[rng.permutation(own_rows.size)[: -(-pages // bpc)]]
     gpu = [blocks if g == best else [] for g in range(layout.num_groups)]
     host = [rows if g == best else [] for g in range(layout.num_groups)]
     return JobSpec(gpu, host), planes, pages
@@ -263,8 +286,9 @@ def calibrate(engine: TransferEngine, names: tuple[str, str] = ("triton", "dma")
     Each point is a real job on the engine's own layout restricted to the planes of that
     size (one group), timed by the engine's own start/end events, stores and loads
     alternating on the same blocks and rows: a load writes back the bytes the store just
-    read, so the caches end as they began. Pool rows are overwritten (at construction the
-    engine has stored nothing yet).
+    read, so the caches end as they began. Pool rows in ``engine.calibration_rows`` are
+    overwritten (at construction the engine has stored nothing yet); no other row is
+    touched.
     """
     rng = np.random.default_rng(0)
     grid: dict[int, dict[tuple[int, int], str]] = {TO_POOL: {}, FROM_POOL: {}}
@@ -340,5 +364,6 @@ __all__ = [
     "PathPolicy",
     "calibrate",
     "calibration_report",
+    "calibration_slice",
     "parse_crossover",
 ]
