@@ -230,3 +230,19 @@ def test_a_new_plane_subset_while_serving_waits_for_nothing_on_the_host(
     ]
     assert all(r.success for r in _finish(engine, log))
     assert not [entry for entry in log if entry[0] == "host sync"]
+
+
+def test_jobs_run_at_submit_free_their_staging_when_the_copy_returned(
+    stand_in: SimpleNamespace,
+) -> None:
+    """The CPU submit path (the host-cost benchmark runs the staged copier on it): a
+    job's staging is free once its copy returned, so a long run reuses one buffer."""
+    engine, triton = stand_in.engine, stand_in.triton
+    engine.cuda = False
+    engine.policy = FixedPath("triton")
+    count = copiers.MAX_STAGING_BUFFERS + 6
+    for job in range(count):
+        assert engine.submit_store(job, JobSpec([[job % 12], [], []], [[4], [], []]))
+    results = engine.get_finished()
+    assert len(results) == count and all(r.success for r in results)
+    assert len(triton.staging.buffers) == 1

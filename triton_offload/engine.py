@@ -491,6 +491,8 @@ class TransferEngine:
             else:
                 raise
         finally:
+            # The copy returned: nothing reads the job's staging any more.
+            job.holds.release_after(None)
             with self._lock:
                 self._finished.append(job)
             job.finished.set()
