@@ -16,6 +16,9 @@ full-size models cost no memory. Each row records ``us_per_job``, ``driver_calls
 ``descriptors`` per job in ``extra_info`` and prints them (``-s``). Goal: the DMA path's
 host work is O(1) driver calls per job (one), the Triton path unchanged.
 
+``test_path_choice_per_job`` times the per-plane path choice alone (``auto``'s
+``CrossoverPath.assign``) on a 160-plane hybrid layout with a calibration-shaped grid.
+
 Run: ``python -m pytest bench/bench_host_cost.py --benchmark-enable -s``; without it
 each case runs once as a smoke test.
 """
