@@ -16,6 +16,9 @@ full-size models cost no memory. Each row records ``us_per_job``, ``driver_calls
 ``descriptors`` per job in ``extra_info`` and prints them (``-s``). Goal: the DMA path's
 host work is O(1) driver calls per job (one), the Triton path unchanged.
 
+``test_path_choice_per_job`` times the per-plane path choice alone (``auto``'s
+``CrossoverPath.assign``) on a 160-plane hybrid layout with a calibration-shaped grid.
+
 Run: ``python -m pytest bench/bench_host_cost.py --benchmark-enable -s``; without it
 each case runs once as a smoke test.
 """
@@ -57,6 +60,24 @@ class _CountingBatch:
         self.calls += 1
         self.descriptors += args[3]
         return 0
+
+
+class _Stream:
+    cuda_stream = 0
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+
+class _Event:
+    def __init__(self, enable_timing: bool = False) -> None:
+        pass
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
 
 
 def _kernels() -> SimpleNamespace:
@@ -117,18 +138,28 @@ def test_host_cost_per_job(
 
     # Pinned staging needs CUDA; the fill and upload cost the same on a plain buffer.
     monkeypatch.setattr(copiers, "_pinned_int64", lambda n: torch.empty(n, dtype=torch.int64))
+    # The kernel tables of a plane subset are uploaded on the job's stream, ordered by an
+    # event: stand-ins for both (the engine runs the CUDA-shaped copier on the CPU).
+    stream = _Stream()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
     engine, ws, counters = _engine(case_name, copier)
     lists = {"gpu_blocks": ws.gpu_blocks, "host_blocks": ws.host_rows}
     job = iter(range(1 << 30))
 
-    def one_job() -> None:
-        engine.submit_store(next(job), **lists)
-        engine.get_finished()
+    failed: list[Any] = []
 
-    one_job()  # tables of plane subsets are built once, not per job: not timed
+    def one_job() -> list[Any]:
+        engine.submit_store(next(job), **lists)
+        results = engine.get_finished()
+        failed.extend(r for r in results if not r.success)
+        return results
+
+    # Tables of plane subsets are built once, not per job: not timed.
+    assert [r.success for r in one_job()] == [True]
     counters["batch"].calls = counters["batch"].descriptors = counters["api"].calls = 0
     counters["kernels"].launches.clear()
-    one_job()  # one counted job
+    assert [r.success for r in one_job()] == [True]  # one counted job
     launches = len(counters["kernels"].launches)
     calls = counters["batch"].calls + counters["api"].calls
     descriptors = counters["batch"].descriptors + counters["api"].calls
@@ -138,7 +169,7 @@ def test_host_cost_per_job(
         assert calls == descriptors  # the fallback: one call per merged run
     benchmark.group = f"host cost per job: {case_name}"
     benchmark(one_job)
-    assert engine.get_finished() == []
+    assert engine.get_finished() == [] and not failed  # a failed job would time an error path
     us = benchmark.stats.stats.median * 1e6 if benchmark.stats is not None else float("nan")
     benchmark.extra_info.update(
         us_per_job=round(us, 1),
@@ -154,3 +185,70 @@ def test_host_cost_per_job(
         f"({engine.last_job_backend})"
     )
     engine.shutdown()
+
+
+#: Page bytes of the 160-plane hybrid below: 40 attention layers with K/V pages of
+#: 8 KiB, 40 Mamba layers with a 24 KiB conv and a 1 MiB SSM state.
+CHOICE_ATTENTION_BYTES, CHOICE_CONV_BYTES, CHOICE_SSM_BYTES = 8 << 10, 24 << 10, 1 << 20
+
+
+def _choice_layout() -> Any:
+    from triton_offload.layout import build_layout
+
+    # One block per plane: only the page sizes matter to the path choice.
+    attention = [
+        (
+            torch.empty(1, CHOICE_ATTENTION_BYTES, dtype=torch.uint8),
+            torch.empty(1, CHOICE_ATTENTION_BYTES, dtype=torch.uint8),
+        )
+        for _ in range(40)
+    ]
+    mamba = [
+        (
+            torch.empty(1, CHOICE_CONV_BYTES, dtype=torch.uint8),
+            torch.empty(1, CHOICE_SSM_BYTES, dtype=torch.uint8),
+        )
+        for _ in range(40)
+    ]
+    return build_layout([attention, mamba], num_groups=2, blocks_per_chunk=1)
+
+
+def _choice_grid() -> Crossover:
+    """A calibration-shaped grid (page sizes x 16 / 256 pages, both directions)."""
+    winners = {
+        (CHOICE_ATTENTION_BYTES, 16): "triton",
+        (CHOICE_ATTENTION_BYTES, 256): "triton",
+        (CHOICE_CONV_BYTES, 16): "dma",
+        (CHOICE_CONV_BYTES, 256): "triton",
+        (CHOICE_SSM_BYTES, 16): "dma",
+        (CHOICE_SSM_BYTES, 256): "dma",
+    }
+    return Crossover(grid={0: dict(winners), 1: dict(winners)})
+
+
+def test_path_choice_per_job(benchmark: Any) -> None:
+    """Host microseconds of the per-plane path choice of one job, 160 planes.
+
+    Jobs as serving produces them: 1-512 attention blocks, and the Mamba state at the
+    hit end (0 or 1 block), stores and loads alternating; 512 distinct jobs cycled.
+    """
+    import itertools
+
+    import numpy as np
+
+    layout = _choice_layout()
+    assert len(layout.planes) == 160
+    policy = CrossoverPath(layout, _choice_grid(), "plane")
+    rng = np.random.default_rng(3)
+    jobs = [(i % 2, (int(rng.integers(1, 513)), int(rng.integers(0, 2)))) for i in range(512)]
+    cycle = itertools.cycle(jobs)
+
+    def one_job() -> None:
+        direction, counts = next(cycle)
+        policy.assign(direction, counts)
+
+    benchmark.group = "path choice per job: 160 planes"
+    benchmark(one_job)
+    us = benchmark.stats.stats.median * 1e6 if benchmark.stats is not None else float("nan")
+    benchmark.extra_info.update(us_per_job=round(us, 2), planes=len(layout.planes))
+    print(f"\npath choice, 160 planes: {us:9.2f} us/job")

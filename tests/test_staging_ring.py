@@ -13,8 +13,10 @@ class _Event:
 
     def __init__(self, name: str, log: list[str]) -> None:
         self.name, self.log, self.done = name, log, False
+        self.queries = 0
 
     def query(self) -> bool:
+        self.queries += 1
         return self.done
 
     def synchronize(self) -> None:
@@ -61,3 +63,46 @@ def test_a_larger_table_grows_the_buffer() -> None:
     ring.release_after(index, None)
     index, large = ring.acquire(5000)
     assert large.numel() == 5000
+
+
+def test_a_job_asks_only_the_oldest_busy_buffer() -> None:
+    """Jobs end in submit order per stream: if the oldest busy buffer's job has not
+    ended, a newer one has not either; one event query per job, not one per buffer."""
+    ring = copiers.StagingRing(limit=64)
+    log: list[str] = []
+    events = []
+    for name in "abcdefghij":
+        index, _ = ring.acquire(8)
+        events.append(_Event(name, log))
+        ring.release_after(index, events[-1])
+    for event in events:
+        event.queries = 0
+    fresh, _ = ring.acquire(8)  # nothing ended: a new buffer, after one query
+    assert fresh == 10 and sum(e.queries for e in events) == 1 and events[0].queries == 1
+    ring.release_after(fresh, _Event("k", log))
+    events[0].done = True
+    reused, _ = ring.acquire(8)  # the oldest ended: its buffer, again one query
+    assert reused == 0 and sum(e.queries for e in events) == 2 and log == []
+
+
+def test_a_buffer_acquired_but_not_yet_released_is_not_handed_out_again() -> None:
+    """One job may stage twice (its pair table and a new subset's kernel tables)."""
+    ring = copiers.StagingRing(limit=4)
+    first, a = ring.acquire(8)
+    second, b = ring.acquire(8)
+    assert first != second and a.data_ptr() != b.data_ptr()
+
+
+def test_when_every_buffer_is_busy_an_ended_newer_one_is_taken_before_waiting() -> None:
+    """Stores and loads end independently: at the limit, a newer buffer of the other
+    stream that already ended is reused rather than blocking on the oldest."""
+    ring = copiers.StagingRing(limit=2)
+    log: list[str] = []
+    index_a, _ = ring.acquire(8)
+    ring.release_after(index_a, _Event("a", log))
+    index_b, _ = ring.acquire(8)
+    event_b = _Event("b", log)
+    ring.release_after(index_b, event_b)
+    event_b.done = True
+    reused, _ = ring.acquire(8)
+    assert reused == index_b and log == []

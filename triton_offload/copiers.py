@@ -20,8 +20,10 @@ of the pool tensor, which may exceed the bytes a row holds.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import math
 import os
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -295,50 +297,87 @@ def _pinned_int64(numel: int) -> torch.Tensor:
     return torch.empty(capacity, dtype=torch.int64, pin_memory=True)
 
 
+def _upload(words: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Enqueue the copy of pinned int64 ``words`` to a new tensor on ``device``.
+
+    On the current stream, without waiting: the staging buffer must stay untouched
+    until an event recorded after this copy completed.
+    """
+    target = torch.empty(words.numel(), dtype=torch.int64, device=device)
+    target.copy_(words, non_blocking=True)
+    return target
+
+
 class StagingRing:
-    """Pinned int64 buffers for pair tables; each is reused only after its job ended."""
+    """Pinned int64 buffers for staged tables; each is reused only after its job ended.
+
+    A buffer is free (never used, or its job ended), held (acquired, its release not yet
+    registered) or busy (released after an event that has not completed). Busy buffers
+    wait in release order: each transfer stream finishes its jobs in submit order, so
+    when the oldest busy buffer's event has not completed the newer ones mostly have
+    not either, and a job queries that one event only.
+    """
 
     def __init__(self, limit: int = MAX_STAGING_BUFFERS) -> None:
         self.buffers: list[torch.Tensor] = []
+        #: The event each buffer was last released after (None: never released).
         self.events: list[Any] = []
-        # Submit order of each buffer's last job: the oldest finishes first (FIFO
-        # streams), so that is the one to wait for when every buffer is busy.
-        self.release_order: list[int] = []
-        self.releases = 0
+        self._free: list[int] = []
+        self._busy: deque[int] = deque()
         self.limit = limit
 
     def acquire(self, numel: int) -> tuple[int, torch.Tensor]:
-        for index, event in enumerate(self.events):
-            if event is None or event.query():
-                if self.buffers[index].numel() < numel:
-                    self.buffers[index] = _pinned_int64(numel)
-                self.events[index] = None
-                return index, self.buffers[index][:numel]
+        """A buffer of at least ``numel`` words, held until :meth:`release_after`."""
+        index = self._take()
+        if self.buffers[index].numel() < max(numel, 1):
+            self.buffers[index] = _pinned_int64(numel)
+        return index, self.buffers[index][:numel]
+
+    def _take(self) -> int:
+        if self._free:
+            return self._free.pop()
+        busy = self._busy
+        if busy and self._ended(busy[0]):
+            return busy.popleft()
         if len(self.buffers) < self.limit:
-            self.buffers.append(_pinned_int64(numel))
+            self.buffers.append(torch.empty(0, dtype=torch.int64))  # sized by acquire
             self.events.append(None)
-            self.release_order.append(0)
-            return len(self.buffers) - 1, self.buffers[-1][:numel]
-        # All buffers belong to running jobs: wait for the oldest use to finish.
-        index = min(range(len(self.events)), key=self.release_order.__getitem__)
+            return len(self.buffers) - 1
+        if not busy:
+            raise RuntimeError(f"all {self.limit} staging buffers are held by unreleased jobs")
+        # Every buffer is in use. Stores and loads end independently, so a newer buffer
+        # may have ended before the oldest: taking it is cheaper than blocking the host.
+        for position in range(1, len(busy)):
+            if self._ended(busy[position]):
+                index = busy[position]
+                del busy[position]
+                return index
+        index = busy.popleft()
         self.events[index].synchronize()
-        return self.acquire(numel)
+        return index
+
+    def _ended(self, index: int) -> bool:
+        event = self.events[index]
+        return event is None or bool(event.query())
 
     def release_after(self, index: int, event: Any) -> None:
+        """Free buffer ``index`` once ``event`` completed (at once for None)."""
         self.events[index] = event
-        self.releases += 1
-        self.release_order[index] = self.releases
+        if event is None:
+            self._free.append(index)
+        else:
+            self._busy.append(index)
 
 
 def table_layout(num_pairs: int, num_offsets: int) -> tuple[int, int]:
     """(start of the group offsets, total int64 words) of a job's packed table.
 
-    The pairs come first; the offsets start at the next even word, so both device
-    pointers stay 16-byte aligned whatever the pair count: Triton specializes a kernel
-    on the 16-byte alignment of its pointer arguments, and an odd-sized job would
-    otherwise compile a second variant in the middle of serving.
+    The pairs come first and the group offsets right after them. No padding: the kernel
+    is compiled with every argument in ``do_not_specialize`` (an odd pair count does
+    not compile a second variant) and reads both tables with scalar int64 loads, which
+    need only the 8-byte alignment every word of the buffer has.
     """
-    start = 3 * num_pairs + (3 * num_pairs) % 2
+    start = 3 * num_pairs
     return start, start + num_offsets
 
 
@@ -366,27 +405,73 @@ class TritonCopier(Copier):
         self.cuda = cuda
         self.num_programs = num_programs
         self.staging = StagingRing()
+        # At construction: a plain upload (the engine synchronizes before the first job).
         self.tables = self._tables(None)
         self._subsets: dict[tuple[int, ...], KernelTables] = {}
+        # Per subset uploaded on a transfer stream (CUDA): the event recorded after its
+        # upload, and the handles of the streams already ordered after it.
+        self._uploads: dict[tuple[int, ...], tuple[Any, set[int]]] = {}
 
     def _tables(self, planes: PlaneSubset) -> KernelTables:
         return kernel_tables(
             self.layout, self.row_stride, self.kernels.TILE_BYTES, self.device, planes
         )
 
-    def tables_for(self, planes: PlaneSubset) -> KernelTables:
-        """Static tables of a plane subset: built once per subset, then reused."""
+    def tables_for(self, planes: PlaneSubset, stream: Any = None) -> KernelTables:
+        """Static tables of a plane subset: built once per subset, then reused.
+
+        On CUDA, ``stream`` (default: the current one) is the stream that launches with
+        them. Subsets appear while serving (which planes go to the kernel depends on
+        the blocks each group has in a job), so a new subset's tables are staged in
+        pinned memory and uploaded on ``stream`` without waiting on the host: a
+        pageable copy or a synchronize would hold the host until compute reached the
+        job. Any other stream that launches with them waits once, on the device, for an
+        event recorded after that upload.
+        """
         planes = _planes_of(self.layout, planes)
         if planes is None:
             return self.tables
         tables = self._subsets.get(planes)
+        if not self.cuda:
+            if tables is None:
+                tables = self._subsets[planes] = self._tables(planes)
+            return tables
+        if stream is None:
+            stream = torch.cuda.current_stream(self.device)
+        handle = int(stream.cuda_stream)
         if tables is None:
-            tables = self._subsets[planes] = self._tables(planes)
-            if self.cuda:
-                # Uploaded on this job's stream; the other direction's stream may use
-                # them next, so the upload must be complete (once per subset).
-                torch.cuda.current_stream(self.device).synchronize()
+            tables = self._subsets[planes] = self._upload_tables(planes, stream, handle)
+            return tables
+        ready, ordered = self._uploads[planes]
+        if handle not in ordered:
+            stream.wait_event(ready)
+            ordered.add(handle)
         return tables
+
+    def _upload_tables(self, planes: tuple[int, ...], stream: Any, handle: int) -> KernelTables:
+        staged_tables = kernel_tables(
+            self.layout, self.row_stride, self.kernels.TILE_BYTES, torch.device("cpu"), planes
+        )
+        tiles = staged_tables.tile_table.reshape(-1)
+        groups = staged_tables.group_table.reshape(-1)
+        index, staged = self.staging.acquire(tiles.numel() + groups.numel())
+        try:
+            staged[: tiles.numel()] = tiles
+            staged[tiles.numel() :] = groups
+            words = _upload(staged, self.device)
+        except BaseException:
+            self.staging.release_after(index, None)  # nothing enqueued reads it
+            raise
+        ready = torch.cuda.Event()
+        ready.record(stream)
+        self.staging.release_after(index, ready)
+        self._uploads[planes] = (ready, {handle})
+        return dataclasses.replace(
+            staged_tables,
+            tile_table=words[: tiles.numel()].view(-1, 5),
+            group_table=words[tiles.numel() :].view(-1, 2),
+            device=self.device,
+        )
 
     def warm_up(self) -> None:
         """Compile the kernel before the first job (a launch that moves no byte).
@@ -404,19 +489,20 @@ class TritonCopier(Copier):
     def prepare(
         self, table: PairTable, direction: int, planes: PlaneSubset, holds: JobHolds, stream: Any
     ) -> Callable[[], None]:
-        tables = self.tables_for(planes)
+        tables = self.tables_for(planes, stream)
         pairs, offsets = table
         n = pairs.shape[0]
         if self.cuda:
             start, total = table_layout(n, offsets.size)
             index, staged = self.staging.acquire(total)
+            # Released after the job's end event, which the engine records even when the
+            # job fails: nothing enqueued for the job reads the buffer after it.
+            holds.releases.append(lambda event: self.staging.release_after(index, event))
             words = staged.numpy()
             words[: 3 * n] = pairs.reshape(-1)
             words[start:total] = offsets
-            device_table = torch.empty(total, dtype=torch.int64, device=self.device)
-            device_table.copy_(staged, non_blocking=True)
+            device_table = _upload(staged, self.device)
             holds.keep_alive.append(device_table)
-            holds.releases.append(lambda event: self.staging.release_after(index, event))
             device_pairs = device_table[: 3 * n].view(n, 3)
             device_offsets = device_table[start:total]
         else:

@@ -112,6 +112,7 @@ from triton_offload.selection import (
     PathChoice,
     PathPolicy,
     calibrate,
+    calibration_slice,
     parse_crossover,
 )
 
@@ -212,6 +213,10 @@ class TransferEngine:
         pool_piece_bytes: size of each ``cudaHostRegister`` call for the pool.
         path_choice: for "auto": ``"plane"`` (each plane by its own best copier) or
             ``"job"`` (one copier per job, from the job's mean page size).
+        calibration_rows: ``(k, n)``: the start-up calibration stores into and loads
+            from only the k-th of n equal, disjoint slices of the pool's rows. Engines
+            whose pools share rows (one region, replicated chunks) and calibrate at the
+            same time pass distinct k and the same n; default ``(0, 1)``: every row.
     """
 
     def __init__(
@@ -228,6 +233,7 @@ class TransferEngine:
         num_programs: int | None = None,
         pool_piece_bytes: int = DEFAULT_PIECE_BYTES,
         path_choice: PathChoice = "plane",
+        calibration_rows: tuple[int, int] = (0, 1),
     ) -> None:
         if backend not in _BACKENDS:
             raise ValueError(f"backend {backend!r} is not one of {_BACKENDS}")
@@ -241,6 +247,8 @@ class TransferEngine:
             # Checked on every backend: 0 or -3 launched an empty grid on the kernel path
             # (every job "succeeded", nothing moved) and "4" failed every job later.
             num_programs = check_int("num_programs", num_programs, 1)
+        #: Pool rows the calibration may overwrite (see ``calibration_rows``).
+        self.calibration_rows: range = calibration_slice(calibration_rows, num_host_blocks)
         if not isinstance(plan, OffloadPlan):
             raise TypeError(
                 f"plan must be an OffloadPlan (from plan_offload), got {type(plan).__name__} "
@@ -508,6 +516,8 @@ class TransferEngine:
             else:
                 raise
         finally:
+            # The copy returned: nothing reads the job's staging any more.
+            job.holds.release_after(None)
             with self._lock:
                 self._finished.append(job)
             job.finished.set()
@@ -522,9 +532,12 @@ class TransferEngine:
         job.end = torch.cuda.Event(enable_timing=True)
         try:
             with torch.cuda.device(self.device), torch.cuda.stream(stream):
-                stream.wait_event(ready)
+                # Table uploads read no cache byte: enqueued before the wait, they
+                # overlap compute instead of following it.
                 runs = self._prepare(job, table, stream)
-                # After the host work and the table upload: the timed span is the copy.
+                stream.wait_event(ready)
+                # After the host work, the table upload and the wait: the timed span is
+                # the copy.
                 job.start.record(stream)
                 for run in runs:
                     run()

@@ -109,6 +109,10 @@ def parse_crossover(configured: int | Mapping[str, int] | None) -> Crossover | N
     return Crossover(threshold={int(direction): int(v) for direction, v in values.items()})
 
 
+#: Block counts remembered per (direction, group) by :class:`CrossoverPath`.
+_MEMO_LIMIT = 1 << 16
+
+
 class PathPolicy:
     """Decides a job's assignment of planes to copiers."""
 
@@ -140,7 +144,47 @@ class CrossoverPath(PathPolicy):
         self._page_bytes = [p.page_bytes for p in layout.planes]
         self._bytes_per_block = layout.bytes_per_block
         self._planes_per_group = [len(p) for p in layout.group_planes]
-        self._cache: dict[tuple[int, tuple[str, ...]], Assignment] = {}
+        # A plane's winner depends on (direction, its page bytes, its group's block
+        # count) only, so per group the winners of all its planes are one of a few
+        # tuples (page classes x count buckets of the grid). Each distinct tuple gets an
+        # id; per (direction, group) a memo maps a block count to that id, so a job costs
+        # one dict lookup per group instead of a grid search (log2 per point) per plane:
+        # ~480 us per job on a 160-plane layout before, ~1.5 us after
+        # (bench_host_cost.py, test_path_choice_per_job).
+        self._group_pages = [
+            sorted({self._page_bytes[i] for i in members}) for members in layout.group_planes
+        ]
+        self._class_ids: dict[tuple[str, ...], int] = {}
+        self._classes: list[tuple[str, ...]] = []
+        self._memo: dict[tuple[int, int], dict[int, int]] = {}
+        self._cache: dict[tuple[int, tuple[int, ...]], Assignment] = {}
+
+    def _group_class(self, direction: int, group: int, count: int) -> int:
+        """The id of group ``group``'s plane winners for a job with ``count`` of its blocks."""
+        memo = self._memo.get((direction, group))
+        if memo is None:
+            memo = self._memo[(direction, group)] = {}
+        found = memo.get(count)
+        if found is not None:
+            return found
+        members = self.layout.group_planes[group]
+        if count:
+            by_page = {
+                page: self.crossover.choose(direction, page, count)
+                for page in self._group_pages[group]
+            }
+            winners = tuple(by_page[self._page_bytes[i]] for i in members)
+        else:
+            winners = ("",) * len(members)  # planes of a group the job does not touch
+        found = self._class_ids.get(winners)
+        if found is None:
+            found = self._class_ids[winners] = len(self._classes)
+            self._classes.append(winners)
+        # Counts are bounded by the group's blocks; the cap only bounds memory for a
+        # caller that sends ever larger counts (beyond it the choice is recomputed).
+        if len(memo) < _MEMO_LIMIT:
+            memo[count] = found
+        return found
 
     def assign(self, direction: int, counts: Sequence[int]) -> Assignment:
         choose = self.crossover.choose
@@ -148,15 +192,14 @@ class CrossoverPath(PathPolicy):
             pages = sum(c * p for c, p in zip(counts, self._planes_per_group, strict=True))
             size = sum(c * b for c, b in zip(counts, self._bytes_per_block, strict=True))
             return ((choose(direction, size / max(pages, 1), pages), None),)
-        winners = []
-        for group, members in enumerate(self.layout.group_planes):
-            count = int(counts[group])
-            for index in members:
-                winners.append(choose(direction, self._page_bytes[index], count) if count else "")
-        key = (direction, tuple(winners))
+        classes = tuple(
+            self._group_class(direction, group, int(count)) for group, count in enumerate(counts)
+        )
+        key = (direction, classes)
         cached = self._cache.get(key)
         if cached is not None:
             return cached
+        winners = [w for c in classes for w in self._classes[c]]
         names = sorted({w for w in winners if w})
         if len(names) <= 1:
             result: Assignment = ((names[0] if names else "triton", None),)
@@ -165,7 +208,7 @@ class CrossoverPath(PathPolicy):
                 (name, tuple(i for i, w in enumerate(winners) if w == name)) for name in names
             )
         # Few distinct assignments exist (page-size classes x count buckets): a bounded
-        # cache keeps the per-job cost to one tuple build and a dict lookup.
+        # cache keeps the per-job cost to the group lookups and one dict lookup.
         if len(self._cache) < 4096:
             self._cache[key] = result
         return result
@@ -177,6 +220,28 @@ CALIBRATION_PAGES = (16, 256)
 CALIBRATION_MAX_BYTES = 16 << 20
 #: Timed repeats per point (after one warm-up job), median taken.
 CALIBRATION_REPEATS = 3
+
+
+def calibration_slice(rows: object, num_rows: int) -> range:
+    """The k-th of n equal, disjoint slices of ``range(num_rows)`` for ``rows = (k, n)``.
+
+    Ranks whose pools share rows pass distinct k: their calibrations store into and
+    load from disjoint rows, so none loads another's bytes into its caches.
+    """
+    if (
+        not isinstance(rows, tuple)
+        or len(rows) != 2
+        or any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) for v in rows)
+    ):
+        raise TypeError(f"calibration_rows must be a tuple (k, n) of two ints, got {rows!r}")
+    k, n = int(rows[0]), int(rows[1])
+    if n < 1 or not 0 <= k < n:
+        raise ValueError(f"calibration_rows {rows!r} needs n >= 1 and 0 <= k < n")
+    if n > num_rows:
+        raise ValueError(
+            f"calibration_rows {rows!r}: {n} slices of {num_rows} pool rows leave some empty"
+        )
+    return range(k * num_rows // n, (k + 1) * num_rows // n)
 
 
 def _calibration_page_sizes(layout: CacheLayout, limit: int = 4) -> list[int]:
@@ -200,15 +265,16 @@ def _calibration_job(
     if not planes:
         return None
     bpc = layout.blocks_per_chunk
+    own_rows = np.asarray(engine.calibration_rows, dtype=np.int64)
     pages = min(
         wanted,
         layout.group_num_blocks[best],
-        engine.num_host_blocks * bpc,
+        own_rows.size * bpc,
         max(1, CALIBRATION_MAX_BYTES // (page * len(planes))),
     )
     # Scattered blocks and rows, as in real jobs (runs merge only where they would).
     blocks = rng.permutation(layout.group_num_blocks[best])[:pages]
-    rows = rng.permutation(engine.num_host_blocks)[: -(-pages // bpc)]
+    rows = own_rows[rng.permutation(own_rows.size)[: -(-pages // bpc)]]
     gpu = [blocks if g == best else [] for g in range(layout.num_groups)]
     host = [rows if g == best else [] for g in range(layout.num_groups)]
     return JobSpec(gpu, host), planes, pages
@@ -221,8 +287,9 @@ def calibrate(engine: TransferEngine, names: tuple[str, str] = ("triton", "dma")
     Each point is a real job on the engine's own layout restricted to the planes of that
     size (one group), timed by the engine's own start/end events, stores and loads
     alternating on the same blocks and rows: a load writes back the bytes the store just
-    read, so the caches end as they began. Pool rows are overwritten (at construction the
-    engine has stored nothing yet).
+    read, so the caches end as they began. Pool rows in ``engine.calibration_rows`` are
+    overwritten (at construction the engine has stored nothing yet); no other row is
+    touched.
     """
     rng = np.random.default_rng(0)
     grid: dict[int, dict[tuple[int, int], str]] = {TO_POOL: {}, FROM_POOL: {}}
@@ -298,5 +365,6 @@ __all__ = [
     "PathPolicy",
     "calibrate",
     "calibration_report",
+    "calibration_slice",
     "parse_crossover",
 ]
