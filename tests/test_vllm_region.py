@@ -527,3 +527,27 @@ def test_unlocking_uses_the_binding_that_locked() -> None:
     assert region.pinned_addresses == [] and not region.is_pinned
     vllm_region.unlock_worker_pages(region, cuda)  # idempotent
     assert cuda.unregistered == locked[::-1]
+
+
+@pytest.mark.parametrize(("world_size", "rank", "replicated"), [(4, 3, True), (4, 3, False)])
+def test_ranks_sharing_rows_calibrate_on_their_own_slice(
+    world_size: int, rank: int, replicated: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Under the single-copy layout every rank's pool is the same rows: the start-up
+    # calibration of one rank must not store into rows another rank calibrates on.
+    import triton_offload.engine as engine_module
+
+    config = make_config(world_size=world_size, rank=rank, replicated=replicated)
+    spec = tv.TritonOffloadingSpec(config)
+    spec.region_barrier = lambda: None  # this process stands for every rank
+    calls: list[dict[str, Any]] = []
+
+    def record(*args: Any, **kwargs: Any) -> None:
+        calls.append(kwargs)
+        raise Captured
+
+    monkeypatch.setattr(engine_module, "TransferEngine", record)
+    with pytest.raises(Captured):
+        spec.get_worker(Caches().canonical)
+    (call,) = calls
+    assert call["calibration_rows"] == ((rank, world_size) if replicated else (0, 1))

@@ -931,6 +931,16 @@ def _build_classes() -> dict[str, type]:
                         backend=options.backend,
                         num_programs=options.num_programs,
                         crossover=options.crossover,
+                        # Under the single-copy layout every rank addresses the same
+                        # rows: each calibrates on its own slice of them, so the
+                        # ranks' start-up measurements neither collide nor disturb
+                        # one another's timings.
+                        calibration_rows=(
+                            (region_plan.rank, region_plan.world_size)
+                            if region_plan.replicated
+                            and 1 < region_plan.world_size <= self.num_chunks
+                            else (0, 1)
+                        ),
                     )
                     del pool
             except BaseException:
