@@ -34,7 +34,8 @@ Decisions a user of vLLM's CPU spec would ask about:
   Every rank loads from the one copy.
 - An attention-free config (no group) builds, counts capacity as vLLM's CPU spec does
   and gives a worker that maps and moves nothing. A group without layers on this
-  worker's pipeline stage is left out of the engine; its blocks are checked and skipped.
+  worker's pipeline stage is an engine group without planes: its chunk ids are checked,
+  nothing of it moves.
 - ``canonical_layout`` is refused: its pages are vLLM's canonical fragments, not this
   project's rows.
 - The tiering spec's fs, obj and p2p tiers file chunks under a name that carries this
@@ -541,9 +542,9 @@ def _build_classes() -> dict[str, type]:
         never waits behind the regular loads already queued.
 
         ``stage_groups``: the config's groups that have layers on this worker (a
-        pipeline stage may hold none of a group); the engine covers only those, and
-        blocks of the others are checked and skipped. Without any such group there is
-        no engine and every job moves nothing. Under the replicated layout a rank
+        pipeline stage may hold none of a group); the engine covers every group and
+        moves nothing for the empty ones. Without any such group there is no engine and
+        every job moves nothing. Under the replicated layout a rank
         other than 0 copies no store: it reports the job when the store ledger says
         rank 0's bytes are in the region (see ``triton_offload.vllm_region``).
         """
@@ -581,9 +582,7 @@ def _build_classes() -> dict[str, type]:
         # ------------------------------------------------------------ job input
 
         def _job(self, what: str, gpu: tuple[str, Any], host: tuple[str, Any]) -> Any:
-            """The job's ``JobSpec`` over this worker's stage groups."""
-            from triton_offload.jobs import JobSpec
-
+            """The job's ``JobSpec`` (every group of the config)."""
             (gpu_name, gpu_spec), (host_name, host_spec) = gpu, host
             if not isinstance(gpu_spec, api.GPULoadStoreSpec):
                 raise TypeError(
@@ -596,28 +595,18 @@ def _build_classes() -> dict[str, type]:
                     f"manager), got {type(host_spec).__name__}"
                 )
             job = split_job(gpu_spec, host_spec, self.num_groups, self.blocks_per_chunk, what)
-            gpu_blocks, host_blocks = job.gpu_blocks, job.host_blocks
-            starts = job.first_block_index or (0,) * self.num_groups
-            # Groups without layers here move nothing, but their chunk ids must still
-            # be ones the manager can hand out.
-            for group in range(self.num_groups):
-                if group in self.stage_groups:
-                    continue
-                ids = host_blocks[group]
-                bad = ids[(ids < 0) | (ids >= self.num_chunks)]
-                if bad.size:
-                    raise ValueError(
-                        f"{what}: host block id {int(bad[0])} of group {group} out of range "
-                        f"[0, {self.num_chunks})"
-                    )
-            if len(self.stage_groups) == self.num_groups:
-                return job
-            stage = self.stage_groups
-            return JobSpec(
-                [gpu_blocks[g] for g in stage],
-                [host_blocks[g] for g in stage],
-                [starts[g] for g in stage],
-            )
+            if self.engine is None:
+                # No layer of any group here: nothing moves, but the chunk ids must still
+                # be ones the manager can hand out (the engine checks them otherwise).
+                for group in range(self.num_groups):
+                    ids = job.host_blocks[group]
+                    bad = ids[(ids < 0) | (ids >= self.num_chunks)]
+                    if bad.size:
+                        raise ValueError(
+                            f"{what}: host block id {int(bad[0])} of group {group} out of "
+                            f"range [0, {self.num_chunks})"
+                        )
+            return job
 
         def _check_new(self, job_id: Any, what: str) -> None:
             try:
@@ -876,10 +865,10 @@ def _build_classes() -> dict[str, type]:
             region_plan = RegionPlan.from_spec(self)
             layout = None
             if stage:
+                # Every group, those without layers here included: the engine moves
+                # nothing for an empty group and still checks its host chunk ids.
                 layout = build_layout(
-                    [caches[g] for g in stage],
-                    num_groups=len(stage),
-                    blocks_per_chunk=self.blocks_per_chunk,
+                    caches, num_groups=num_groups, blocks_per_chunk=self.blocks_per_chunk
                 )
                 if layout.row_bytes > region_plan.cpu_page_size:
                     raise ValueError(
@@ -919,13 +908,10 @@ def _build_classes() -> dict[str, type]:
                     from triton_offload.engine import TransferEngine
 
                     options = self.engine_options
-                    stage_plan = dataclasses.replace(
-                        self.plan, groups=tuple(self.plan.groups[g] for g in stage)
-                    )
                     pool = worker_pool_view(region, region_plan)[:, : layout.row_bytes]
                     engine = TransferEngine(
-                        stage_plan,
-                        [caches[g] for g in stage],
+                        self.plan,
+                        caches,
                         self.num_chunks,
                         pool=pool,
                         backend=options.backend,
