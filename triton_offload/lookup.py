@@ -14,6 +14,7 @@ not in a presence sequence (index past its end) is absent.
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, overload
 
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 PresenceRow = Sequence[bool] | bytes | bytearray
 
 __all__ = [
+    "ComputedPresence",
     "PresenceRow",
     "checked_presence_row",
     "first_absent",
@@ -198,6 +200,8 @@ def checked_presence_row(group: int, row: object) -> PresenceRow:
     checks the values and makes every later scan of the row fast. Bytes-likes are
     checked with one ``bytes.translate`` and ``find``; other sequences pay a Python loop.
     """
+    if isinstance(row, ComputedPresence):
+        return row  # bools by its contract, computed only where a scan reads
     if isinstance(row, (bytes, bytearray)):
         index = row.translate(_NON_BINARY).find(1)
         if index >= 0:
@@ -251,7 +255,37 @@ def _checked_value(group: int, index: int, value: object) -> bool:
     return bool(value)
 
 
-class _CheckedRow(Sequence[bool]):
+class ComputedPresence(Sequence[bool]):
+    """A presence row whose values are computed when a scan reads them.
+
+    Subclasses give ``len()`` and :meth:`chunk_present` (a bool for chunk ``index`` in
+    ``[0, len)``); indexing, negative indices and slices are handled here. The lookup
+    takes such rows as they are, without reading them whole: a scan asks only for the
+    chunks it needs.
+    """
+
+    @abc.abstractmethod
+    def __len__(self) -> int: ...
+
+    @abc.abstractmethod
+    def chunk_present(self, index: int) -> bool:
+        """Whether chunk ``index`` (``0 <= index < len(self)``) is present."""
+
+    @overload
+    def __getitem__(self, index: int) -> bool: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[bool]: ...
+    def __getitem__(self, index: int | slice) -> bool | Sequence[bool]:
+        if isinstance(index, slice):
+            return [self.chunk_present(i) for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(f"chunk {index} out of range [0, {len(self)})")
+        return self.chunk_present(index)
+
+
+class _CheckedRow(ComputedPresence):
     """A presence row whose values are checked as they are read (see checked_presence_row)."""
 
     def __init__(self, group: int, row: Sequence[object]) -> None:
@@ -261,15 +295,7 @@ class _CheckedRow(Sequence[bool]):
     def __len__(self) -> int:
         return len(self._row)
 
-    @overload
-    def __getitem__(self, index: int) -> bool: ...
-    @overload
-    def __getitem__(self, index: slice) -> Sequence[bool]: ...
-    def __getitem__(self, index: int | slice) -> bool | Sequence[bool]:
-        if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(len(self)))]
-        if index < 0:
-            index += len(self)
+    def chunk_present(self, index: int) -> bool:
         return _checked_value(self._group, index, self._row[index])
 
 

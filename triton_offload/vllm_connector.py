@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import contextvars
 import logging
-from collections.abc import Iterator, Sequence
-from typing import Any, overload
+from collections.abc import Sequence
+from typing import Any
 
 from triton_offload.groups import GroupKind, GroupSpec, ParallelSpec
-from triton_offload.lookup import hit_end_problem
+from triton_offload.lookup import ComputedPresence, hit_end_problem
 from triton_offload.plan import OffloadPlan, plan_offload
 
 __all__ = [
@@ -258,7 +258,7 @@ def warn_stock_lookup_hazards(offloading_config: Any) -> list[str]:
 # ------------------------------------------------------------------ presence
 
 
-class LazyPresence(Sequence[bool]):
+class LazyPresence(ComputedPresence):
     """One group's chunk presence, asked of vLLM's manager only for the chunks a scan
     touches (memoised): a lookup costs manager calls in proportion to what it reads,
     as vLLM's own scans do. Only a ready hit (``LookupResult.HIT``) counts as present;
@@ -275,23 +275,12 @@ class LazyPresence(Sequence[bool]):
     def __len__(self) -> int:
         return len(self._keys)
 
-    @overload
-    def __getitem__(self, index: int) -> bool: ...
-    @overload
-    def __getitem__(self, index: slice) -> Sequence[bool]: ...
-    def __getitem__(self, index: int | slice) -> bool | Sequence[bool]:
-        if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(len(self)))]
-        if index < 0:
-            index += len(self)
+    def chunk_present(self, index: int) -> bool:
         known = self._known.get(index)
         if known is None:
             result = self._manager.lookup(self._keys[index], self._context)
             known = self._known[index] = result is self._hit
         return known
-
-    def __iter__(self) -> Iterator[bool]:
-        return (self[i] for i in range(len(self)))
 
     @property
     def lookups(self) -> int:
