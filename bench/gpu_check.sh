@@ -175,7 +175,7 @@ pytest_opts=(-p no:cacheprovider -o addopts= -rA -v)
 if "$py" -c 'import pytest_benchmark' >/dev/null 2>&1; then
   pytest_opts+=(--benchmark-disable)
 else
-  pytest_opts+=(--deselect bench/bench_kernel_tables.py)  # needs the benchmark fixture
+  pytest_opts+=(--deselect bench/suites/bench_kernel_tables.py)  # needs the benchmark fixture
 fi
 if "$py" -c 'import pytest_timeout' >/dev/null 2>&1; then
   pytest_opts+=(--timeout 120)  # one hung test must not eat the whole step
@@ -185,7 +185,7 @@ fi
 step gpu-tests 170 "$out/gpu-tests.log" "$py" -m pytest "${pytest_opts[@]}" -m cuda \
   --junitxml="$out/gpu-tests.xml" \
   tests/test_copy_kernel_cuda.py tests/test_engine_cuda.py tests/test_bench_cuda.py \
-  bench/bench_kernel_tables.py
+  bench/suites/bench_kernel_tables.py
 cp "$out/gpu-tests.log" "$work/" 2>/dev/null
 cp "$out/gpu-tests.xml" "$work/" 2>/dev/null
 

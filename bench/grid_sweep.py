@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from triton_offload.bench import presets
+from triton_offload.bench import cases
 from triton_offload.bench.paths import build_workspace, plan_for
 
-from triton_offload.jobs import FROM_POOL, TO_POOL
+from triton_offload.transfer.jobs import FROM_POOL, TO_POOL
 
 HYBRID_PRESETS = ("mamba-hybrid", "swa-hybrid")
 #: Tile sizes tried (bytes per item); the tables are cut with each.
@@ -37,7 +37,7 @@ TILE_SIZES = (4096, 8192, 16384)
 QUICK_TILE_SIZES = (4096, 8192)
 
 
-def _small(group: presets.GroupShape, cuda: bool) -> presets.GroupShape:
+def _small(group: cases.GroupShape, cuda: bool) -> cases.GroupShape:
     if cuda:
         return replace(group, layers=1)
     pages = tuple(min(p, 1024) for p in group.plane_bytes)
@@ -49,8 +49,8 @@ def _programs(sm_count: int) -> list[int]:
     return sorted({16, 32, 64, sm_count // 2, sm_count, 2 * sm_count, 4 * sm_count})
 
 
-def _engine(case: presets.Case, device: torch.device, **options: Any) -> tuple[Any, Any]:
-    from triton_offload.engine import TransferEngine
+def _engine(case: cases.Case, device: torch.device, **options: Any) -> tuple[Any, Any]:
+    from triton_offload.transfer.engine import TransferEngine
 
     ws = build_workspace(case, device, seed=3)
     engine = TransferEngine(plan_for(case), ws.caches, ws.num_host_blocks, **options)
@@ -81,7 +81,7 @@ def _store_is_exact(ws: Any, engine: Any) -> bool:
 
 
 def sweep_grid(
-    case: presets.Case,
+    case: cases.Case,
     device: torch.device,
     programs: list[int],
     tiles: tuple[int, ...],
@@ -91,7 +91,7 @@ def sweep_grid(
     """One row per (num_programs, tile bytes): store/load seconds and GB/s."""
     from triton_offload.kernels import copy_blocks
 
-    from triton_offload.copiers import TritonCopier
+    from triton_offload.transfer.copiers import TritonCopier
 
     ws, engine = _engine(case, device, backend="triton")
     rows = []
@@ -136,7 +136,7 @@ def sweep_grid(
     return rows
 
 
-def compare_choice(case: presets.Case, device: torch.device, repeats: int) -> list[dict[str, Any]]:
+def compare_choice(case: cases.Case, device: torch.device, repeats: int) -> list[dict[str, Any]]:
     """The ``auto`` engine with per-plane and with per-job choice (each calibrated)."""
     rows = []
     for choice in ("plane", "job"):
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         sms, programs, tiles = 0, [2, 4], QUICK_TILE_SIZES
     names = HYBRID_PRESETS if cuda and not args.quick else ("swa-hybrid",)
-    cases = [presets.PRESETS[name] for name in names]
+    cases = [cases.CASES[name] for name in names]
     if args.quick or not cuda:
         # One layer per group; without CUDA also two blocks of pages cut to 1 KiB at
         # most: the interpreter runs each program's items one by one.

@@ -26,7 +26,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from triton_offload.bench import presets
+from triton_offload.bench import cases
+from triton_offload.bench.cases import Case, GroupShape
 from triton_offload.bench.paths import (
     CEILING,
     PathRunner,
@@ -37,9 +38,8 @@ from triton_offload.bench.paths import (
     plan_for,
     role_of,
 )
-from triton_offload.bench.presets import Case, GroupShape
 
-from triton_offload.jobs import JobSpec
+from triton_offload.transfer.jobs import JobSpec
 
 #: Paths that run on a CPU-only machine as timed measurements. "auto" is not among
 #: them: without CUDA it *is* the torch path, and timing one path twice only showed
@@ -122,9 +122,9 @@ class Config:
     quick: bool
     device: torch.device
     target_bytes: int | None  # scale cases to this many bytes per job (None: full size)
-    sweep_page_bytes: list[int] = field(default_factory=lambda: list(presets.SWEEP_PAGE_BYTES))
-    sweep_pages: list[int] = field(default_factory=lambda: list(presets.SWEEP_PAGES))
-    sweep_max_bytes: int = 512 * presets.MiB
+    sweep_page_bytes: list[int] = field(default_factory=lambda: list(cases.SWEEP_PAGE_BYTES))
+    sweep_pages: list[int] = field(default_factory=lambda: list(cases.SWEEP_PAGES))
+    sweep_max_bytes: int = 512 * cases.MiB
     #: wall-clock budget of the run: no case or path starts after it (None: no limit)
     max_seconds: float | None = None
 
@@ -183,7 +183,7 @@ def environment(device: torch.device) -> dict[str, Any]:
         info["vllm"] = None
     info["dma_path"] = None
     if device.type == "cuda":
-        from triton_offload.batch_copy import find_batch_copy
+        from triton_offload.transfer.batch_copy import find_batch_copy
 
         info["gpu"] = torch.cuda.get_device_name(device)
         info["driver"] = _driver_version()
@@ -336,20 +336,20 @@ def cases_for(config: Config) -> tuple[list[Case], list[str]]:
     notes: list[str] = []
     cases: list[Case] = []
     for name in config.presets:
-        case = presets.PRESETS[name]
+        case = cases.CASES[name]
         if config.target_bytes is not None:
-            scaled = presets.scale_case(case, config.target_bytes)
+            scaled = cases.scale_case(case, config.target_bytes)
             if scaled != case:
                 layers = ", ".join(f"{g.name} {g.layers}" for g in scaled.groups)
                 notes.append(
-                    f"{case.name}: scaled to {scaled.job_bytes / presets.MiB:.1f} MiB per job "
+                    f"{case.name}: scaled to {scaled.job_bytes / cases.MiB:.1f} MiB per job "
                     f"(layers: {layers}; page shapes unchanged) from "
-                    f"{case.job_bytes / presets.MiB:.0f} MiB"
+                    f"{case.job_bytes / cases.MiB:.0f} MiB"
                 )
             case = scaled
         cases.append(case)
     if config.sweep:
-        sweep, skipped = presets.sweep_cases(
+        sweep, skipped = cases.sweep_cases(
             config.sweep_page_bytes, config.sweep_pages, max_job_bytes=config.sweep_max_bytes
         )
         cases.extend(sweep)
@@ -574,7 +574,7 @@ def _tiny_presets(config: Config) -> list[Case]:
     """Each selected preset with one layer per group and two blocks: real page shapes."""
     tiny = []
     for name in config.presets:
-        case = presets.PRESETS[name]
+        case = cases.CASES[name]
         groups = tuple(
             replace(g, layers=1, blocks_per_job=min(g.blocks_per_job, 2)) for g in case.groups
         )
@@ -629,7 +629,7 @@ class JobPreparation:
 
 
 def job_preparation(case: Case) -> JobPreparation:
-    from triton_offload.engine import TransferEngine
+    from triton_offload.transfer.engine import TransferEngine
 
     ws = build_workspace(case, torch.device("cpu"), seed=5)
     # An untouched pool: the engine would zero-fill its own (GBs for a full-size model).
@@ -773,7 +773,7 @@ def _run(config: Config, show_progress: bool) -> Results:
     correctness: list[Measurement] = []
     if not interrupted:
         for name in config.presets:
-            host_costs.append(host_cost(presets.PRESETS[name], repeats=max(config.repeats, 5)))
+            host_costs.append(host_cost(cases.CASES[name], repeats=max(config.repeats, 5)))
             progress.step(f"{name} host cost")
         if interpreted and not _past(deadline):
             correctness = correctness_pass(config, progress)

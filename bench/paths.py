@@ -2,7 +2,7 @@
 
 A :class:`Workspace` holds one case's cache tensors (on the device), the job (per group:
 GPU block ids and host pool rows) and the pool row layout of
-:func:`triton_offload.layout.build_layout`, so every path that owns a pool fills it the
+:func:`triton_offload.transfer.layout.build_layout`, so every path that owns a pool fills it the
 same way and can be checked against one expected pool image.
 
 A path is a :class:`PathRunner`: ``submit(direction)`` enqueues one job,
@@ -33,11 +33,11 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-from triton_offload.bench.presets import Case
+from triton_offload.bench.cases import Case
 
-from triton_offload.jobs import JobSpec
-from triton_offload.layout import CacheLayout, Layer, build_layout, pool_plane_view
-from triton_offload.pool import HostPool, allocate_pool
+from triton_offload.transfer.jobs import JobSpec
+from triton_offload.transfer.layout import CacheLayout, Layer, build_layout, pool_plane_view
+from triton_offload.transfer.pool import HostPool, allocate_pool
 
 STORE = "store"
 LOAD = "load"
@@ -154,8 +154,8 @@ class Workspace:
 
 def plan_for(case: Case) -> Any:
     """The planner's ``OffloadPlan`` for ``case`` (one block per chunk)."""
-    from triton_offload import plan_offload
-    from triton_offload.groups import GroupSpec
+    from triton_offload.planner.groups import GroupSpec
+    from triton_offload.planner.plan import plan_offload
 
     specs = [
         GroupSpec(
@@ -327,7 +327,7 @@ class EnginePath(_PoolPath):
     def __init__(self, ws: Workspace, backend: str) -> None:
         super().__init__(ws)
         self.name = backend
-        from triton_offload.engine import TransferEngine
+        from triton_offload.transfer.engine import TransferEngine
 
         try:
             self.engine = TransferEngine(

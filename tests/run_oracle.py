@@ -1,4 +1,4 @@
-"""Test oracle for :class:`triton_offload.cpu_copy.RunBuilder`: the same merged runs,
+"""Test oracle for :class:`triton_offload.transfer.cpu_copy.RunBuilder`: the same merged runs,
 computed one plane at a time with plain numpy."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from triton_offload.jobs import Direction
-from triton_offload.layout import CacheLayout
+from triton_offload.transfer.jobs import Direction
+from triton_offload.transfer.layout import CacheLayout
 
 
 def page_runs(
@@ -52,8 +52,8 @@ def plane_runs(
     """Per plane of every group the job addresses, its pages merged into runs.
 
     ``pairs`` / ``group_offsets`` / ``direction`` / ``planes`` as in
-    :func:`triton_offload.cpu_copy.copy_pages`; ``pool_address`` is the address of pool row 0
-    as the copies will see it, ``pool_row_bytes`` the row stride. Work is numpy over the
+    :func:`triton_offload.transfer.cpu_copy.copy_pages`; ``pool_address`` is the address of
+    pool row 0 as the copies will see it, ``pool_row_bytes`` the row stride. Work is numpy over the
     pairs, once per plane.
     """
     assert direction in (Direction.TO_POOL, Direction.FROM_POOL)

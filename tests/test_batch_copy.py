@@ -27,10 +27,10 @@ from test_engine import (
     store_job,
 )
 
-from triton_offload import batch_copy
-from triton_offload.copiers import DmaCopier, JobHolds
-from triton_offload.jobs import FROM_POOL, TO_POOL, JobSpec
-from triton_offload.selection import Assignment, Crossover, CrossoverPath, PathPolicy
+from triton_offload.transfer import batch_copy
+from triton_offload.transfer.copiers import DmaCopier, JobHolds
+from triton_offload.transfer.jobs import FROM_POOL, TO_POOL, JobSpec
+from triton_offload.transfer.selection import Assignment, Crossover, CrossoverPath, PathPolicy
 
 
 class RecordingDriver:
@@ -163,7 +163,7 @@ def test_a_failed_batch_names_the_copy_and_the_job_fails() -> None:
     engine = make_engine(caches, 1, "torch")
     driver = RecordingDriver(fail_at=2)
     engine.copiers = {"dma": dma_copier(engine, driver)}
-    from triton_offload.selection import FixedPath
+    from triton_offload.transfer.selection import FixedPath
 
     engine.policy = FixedPath("dma")
     pool_before = engine.pool.clone()

@@ -6,13 +6,14 @@ import json
 from pathlib import Path
 
 import pytest
-from triton_offload.bench import command, harness, paths, presets, report
+from triton_offload.bench import cases, harness, paths, report
 
+from triton_offload.cli import bench as command
 from triton_offload.cli import build_parser, main
 
 
 def test_cli_names_match_the_harness() -> None:
-    assert list(command.PRESET_NAMES) == list(presets.PRESETS)
+    assert list(command.PRESET_NAMES) == list(cases.CASES)
     assert list(command.PATH_NAMES) == [p for p in paths.ALL_PATHS if p != paths.CEILING]
     assert tuple(command.DIRECTION_NAMES) == paths.DIRECTIONS
 
@@ -103,7 +104,7 @@ def test_unwritable_out_is_refused_before_measuring(
 def test_defaults() -> None:
     args = build_parser().parse_args(["bench"])
     assert args.out == Path("bench-results")
-    assert args.presets == list(presets.PRESETS)
+    assert args.presets == list(cases.CASES)
     assert args.directions == ["store", "load"]
     assert not args.quick and not args.sweep
     args = build_parser().parse_args(["bench", "--paths", "all", "--page-sizes", "4k,2m"])

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_offload.bench import harness, presets
-from triton_offload.bench.command import PATH_NAMES
+from triton_offload.bench import cases, harness
+
+from triton_offload.cli.bench import PATH_NAMES
 
 pytestmark = pytest.mark.cuda
 
@@ -20,9 +21,9 @@ def test_every_path_verifies_and_times_on_cuda() -> None:
         paths=list(PATH_NAMES),
         quick=True,
         device=torch.device("cuda"),
-        target_bytes=8 * presets.MiB,
+        target_bytes=8 * cases.MiB,
     )
-    case = presets.scale_case(presets.PRESETS["llama3.1-8b-tp4"], 8 * presets.MiB)
+    case = cases.scale_case(cases.CASES["llama3.1-8b-tp4"], 8 * cases.MiB)
     rows = harness.run_case(case, config)
     by = {(r.path, r.direction): r for r in rows}
     for name in ("triton", "dma", "auto", "per-page-copy", "flat-triton", "ceiling"):

@@ -28,7 +28,7 @@ from triton_offload.bench.paths import (
     build_workspace,
 )
 
-from triton_offload.pool import allocate_pool
+from triton_offload.transfer.pool import allocate_pool
 
 
 class _CudaWorkspace(Workspace):

@@ -7,14 +7,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from triton_offload.bench import harness, paths, presets
+from triton_offload.bench import cases, harness, paths
 from triton_offload.bench.harness import Config, Progress
 from triton_offload.bench.paths import STORE, PerPageCopyPath, build_workspace
 
 CPU = torch.device("cpu")
 
 
-def _tiny_case() -> presets.Case:
+def _tiny_case() -> cases.Case:
     return harness.correctness_case()
 
 
@@ -119,9 +119,7 @@ def test_failed_path_is_reported_and_never_timed(monkeypatch: pytest.MonkeyPatch
         "make_path",
         lambda name, ws: Broken(ws) if name == "per-page-copy" else real(name, ws),
     )
-    rows = harness.run_case(
-        presets.scale_case(presets.PRESETS["llama3.1-8b-tp4"], 1 << 18), _config()
-    )
+    rows = harness.run_case(cases.scale_case(cases.CASES["llama3.1-8b-tp4"], 1 << 18), _config())
     broken = [r for r in rows if r.path == "per-page-copy"]
     assert [r.status for r in broken] == ["FAILED", "FAILED"]
     assert all(r.gbps is None and r.device_s is None for r in broken)
@@ -130,7 +128,7 @@ def test_failed_path_is_reported_and_never_timed(monkeypatch: pytest.MonkeyPatch
 
 
 def test_run_case_reports_gbps_against_same_run_ceiling() -> None:
-    case = presets.scale_case(presets.PRESETS["llama3.1-8b-tp4"], 1 << 18)
+    case = cases.scale_case(cases.CASES["llama3.1-8b-tp4"], 1 << 18)
     rows = harness.run_case(case, _config())
     by = {(r.path, r.direction): r for r in rows}
     assert {p for p, _ in by} == {"ceiling", "torch", "per-page-copy", "index-copy"}
@@ -178,14 +176,14 @@ def test_sweep_cases_come_after_presets_and_respect_the_cap() -> None:
 
 
 def test_host_cost_compares_tables_for_the_full_size_job() -> None:
-    cost = harness.host_cost(presets.PRESETS["llama3.1-8b-tp1"], repeats=1)
+    cost = harness.host_cost(cases.CASES["llama3.1-8b-tp1"], repeats=1)
     assert (cost.blocks, cost.planes, cost.descriptors) == (128, 64, 128 * 64)
     assert cost.project_s > 0 and cost.pointer_s > 0
     assert "vLLM 0.33" in cost.pointer_impl or "vllm 0.33" in cost.pointer_impl
 
 
 def test_pointer_builders_agree_with_the_layout() -> None:
-    prep = harness.job_preparation(presets.scale_case(presets.PRESETS["swa-hybrid"], 1 << 20))
+    prep = harness.job_preparation(cases.scale_case(cases.CASES["swa-hybrid"], 1 << 20))
     try:
         prep.pointers()
         ws = prep.workspace
@@ -224,5 +222,5 @@ def test_numpy_pointer_build_matches_vllm_when_importable() -> None:
 
 def test_host_cost_without_vllm_is_labelled(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(harness, "vllm_pointer_builder", lambda: (None, "numpy re-creation"))
-    cost = harness.host_cost(presets.PRESETS["llama3.1-8b-tp4"], repeats=1)
+    cost = harness.host_cost(cases.CASES["llama3.1-8b-tp4"], repeats=1)
     assert cost.pointer_impl == "numpy re-creation" and cost.pointer_s > 0

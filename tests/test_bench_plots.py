@@ -16,7 +16,7 @@ import matplotlib.pyplot as plt
 import pytest
 from matplotlib.collections import LineCollection
 from matplotlib.text import Text
-from triton_offload.bench import harness, presets, report
+from triton_offload.bench import cases, harness, report
 from triton_offload.bench.harness import Measurement, Results
 from triton_offload.bench.paths import role_of
 
@@ -26,7 +26,7 @@ GPU_PATHS = [
 CPU_PATHS = ["torch", "per-page-copy", "index-copy"]
 
 
-def _row(case: presets.Case, path: str, direction: str, value: float, jobs: int) -> Measurement:
+def _row(case: cases.Case, path: str, direction: str, value: float, jobs: int) -> Measurement:
     return Measurement(
         case=case.name,
         path=path,
@@ -50,12 +50,12 @@ def _results(*, sweep: bool, cuda: bool) -> Results:
     """Every preset (and the default sweep grid) on every path, figures close together
     (the worst case for labels); one row is cut and one unavailable (never drawn)."""
     paths = GPU_PATHS if cuda else CPU_PATHS
-    cases = list(presets.PRESETS.values())
+    timed = list(cases.CASES.values())
     if sweep:
-        grid, _ = presets.sweep_cases(max_job_bytes=400 * presets.MiB)
-        cases += grid
+        grid, _ = cases.sweep_cases(max_job_bytes=400 * cases.MiB)
+        timed += grid
     rows = []
-    for i, case in enumerate(cases):
+    for i, case in enumerate(timed):
         for direction in ("store", "load"):
             rows.append(_row(case, "ceiling", direction, 20.0 + i, 54))
             for j, path in enumerate(paths):
@@ -128,7 +128,7 @@ def test_each_preset_is_named_once_per_panel() -> None:
     try:
         for axis in fig.axes:
             names = [t.get_text() for t in axis.texts if t.get_visible()]
-            assert sorted(names) == sorted(presets.PRESETS), names
+            assert sorted(names) == sorted(cases.CASES), names
     finally:
         plt.close(fig)
 
@@ -143,7 +143,7 @@ def test_legend_sets_this_projects_paths_apart() -> None:
         shapes = labels.index("presets (marker shape):")
         assert labels[project + 1 : baseline] == ["triton", "dma", "auto"]
         assert set(labels[baseline + 1 : shapes]) >= {"per-page-copy", "vllm-swap-blocks"}
-        assert labels[shapes + 1 :] == list(presets.PRESETS)
+        assert labels[shapes + 1 :] == list(cases.CASES)
         # in the panels: project points filled, baseline points hollow
         for line in fig.axes[0].lines:
             if line.get_gid():
@@ -162,11 +162,11 @@ def test_every_point_is_named_by_its_presets_shape() -> None:
             zip([t.get_text() for t in legend.get_texts()], legend.legend_handles, strict=True)
         )
         points = [line for line in fig.axes[0].lines if line.get_gid()]
-        assert len(points) == len(presets.PRESETS) * (len(GPU_PATHS) + 1)
+        assert len(points) == len(cases.CASES) * (len(GPU_PATHS) + 1)
         for line in points:
             case = line.get_gid().split("|")[0]
             assert line.get_marker() == by_label[case].get_marker(), line.get_gid()
-        assert len({by_label[c].get_marker() for c in presets.PRESETS}) == len(presets.PRESETS)
+        assert len({by_label[c].get_marker() for c in cases.CASES}) == len(cases.CASES)
     finally:
         plt.close(fig)
 
@@ -215,7 +215,7 @@ def test_close_sweep_page_sizes_keep_their_ticks_apart() -> None:
     """`--page-sizes 16k,17k,18k`: the tick labels would touch; one of them is hidden."""
     results = _results(sweep=False, cuda=False)
     for size in (16 * 1024, 17 * 1024, 18 * 1024):
-        case = presets.sweep_case(size, 16)
+        case = cases.sweep_case(size, 16)
         results.cases.append(harness.case_summary(case))
         for direction in ("store", "load"):
             results.measurements.append(_row(case, "torch", direction, 3.0, 9))

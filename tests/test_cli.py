@@ -9,7 +9,7 @@ import pytest
 
 import triton_offload
 from triton_offload.cli import main
-from triton_offload.presets import PRESETS
+from triton_offload.planner.presets import PRESETS
 
 
 def run_cli(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:

@@ -17,10 +17,10 @@ from triton_offload.kernels.copy_blocks import (
     launch_copy,
 )
 
-from triton_offload.copiers import copy_blocks, kernel_tables
-from triton_offload.jobs import Direction
-from triton_offload.layout import CacheLayout, Plane
-from triton_offload.reference import byte_plane, reference_copy
+from triton_offload.transfer.copiers import copy_blocks, kernel_tables
+from triton_offload.transfer.jobs import Direction
+from triton_offload.transfer.layout import CacheLayout, Plane
+from triton_offload.transfer.reference import byte_plane, reference_copy
 
 pytestmark = pytest.mark.cuda
 

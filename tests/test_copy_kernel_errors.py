@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from triton_offload import jobs
-from triton_offload.copiers import copy_blocks
-from triton_offload.jobs import Direction
-from triton_offload.layout import CacheLayout, Plane
-from triton_offload.reference import byte_plane
+from triton_offload.transfer import jobs
+from triton_offload.transfer.copiers import copy_blocks
+from triton_offload.transfer.jobs import Direction
+from triton_offload.transfer.layout import CacheLayout, Plane
+from triton_offload.transfer.reference import byte_plane
 
 BPC = 2
 ROWS = 6

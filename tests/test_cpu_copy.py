@@ -7,10 +7,10 @@ import pytest
 import run_oracle
 import torch
 
-from triton_offload import cpu_copy
-from triton_offload.jobs import Direction
-from triton_offload.layout import build_layout
-from triton_offload.reference import reference_copy
+from triton_offload.transfer import cpu_copy
+from triton_offload.transfer.jobs import Direction
+from triton_offload.transfer.layout import build_layout
+from triton_offload.transfer.reference import reference_copy
 
 
 @pytest.mark.parametrize("subset", [None, (0, 2)])

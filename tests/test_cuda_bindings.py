@@ -1,4 +1,4 @@
-"""The ctypes bindings of triton_offload.pool, checked without a GPU.
+"""The ctypes bindings of triton_offload.transfer.pool, checked without a GPU.
 
 Each CUDA entry point is replaced by a C function pointer (a ctypes callback with the
 real C prototype) reached through a bare, CDLL-style pointer, as ``ctypes.CDLL``
@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from triton_offload import pool as pool_module
-from triton_offload.pool import CudaApi, allocate_pool
+from triton_offload.transfer import pool as pool_module
+from triton_offload.transfer.pool import CudaApi, allocate_pool
 
 HIGH_ADDRESS = 0x7F3A_1234_5000  # above 4 GiB: a 32-bit argument would lose it
 DEVICE_ADDRESS = 0x7F00_DEAD_B000
@@ -141,7 +141,7 @@ def test_runtime_errors_raise_and_clear_the_last_error(caplog: pytest.LogCapture
         api.device_pointer(HIGH_ADDRESS)
     with pytest.raises(RuntimeError, match="async copy"):
         api.memcpy_async(1, 2, 3, STREAM)
-    with caplog.at_level(logging.WARNING, logger="triton_offload.pool"):
+    with caplog.at_level(logging.WARNING, logger="triton_offload.transfer.pool"):
         api.unregister(HIGH_ADDRESS)  # cleanup: logged, not raised
     assert "CUDA error 713" in caplog.text
     cleared = [name for name, _ in lib.calls if name == "cudaGetLastError"]
@@ -203,7 +203,7 @@ def test_pool_falls_back_to_torch_pinned_memory(
 ) -> None:
     api = stand_in(StandInApi(scatter=failure == "scattered"))
     api.refuse = failure == "refused"
-    with caplog.at_level(logging.WARNING, logger="triton_offload.pool"):
+    with caplog.at_level(logging.WARNING, logger="triton_offload.transfer.pool"):
         pool = allocate_pool(4, 4096, pinned=True, piece_bytes=4096)
     assert "torch's pinned allocator" in caplog.text
     assert api.registered == {}  # pieces registered before the failure are unlocked

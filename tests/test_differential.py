@@ -39,8 +39,9 @@ import numpy as np
 import pytest
 import torch
 
-from triton_offload import GroupSpec, cpu_copy, plan_offload
-from triton_offload.engine import TransferEngine
+from triton_offload import GroupSpec, plan_offload
+from triton_offload.transfer import cpu_copy
+from triton_offload.transfer.engine import TransferEngine
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 FUZZ_SECONDS = float(os.environ.get("TRITON_OFFLOAD_FUZZ_SECONDS", "2"))

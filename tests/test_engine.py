@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from triton_offload import GroupSpec, ParallelSpec, plan_offload
-from triton_offload.engine import TransferEngine, TransferResult
+from triton_offload.transfer.engine import TransferEngine, TransferResult
 
 NUM_BLOCKS = 12
 NUM_HOST_BLOCKS = 9
@@ -311,7 +311,7 @@ def test_failing_job_is_reported_and_the_next_works(
     engine = make_engine(caches, 1, backend)
     calls = {"n": 0}
     if backend == "torch":
-        from triton_offload import cpu_copy
+        from triton_offload.transfer import cpu_copy
 
         target, name = cpu_copy, "copy_pages"
     else:
@@ -353,8 +353,8 @@ def test_dma_copies_address_the_same_bytes_as_the_cpu_path(blocks_per_chunk: int
     """The DMA path's address arithmetic (run merging included), checked on host memory."""
     from types import SimpleNamespace
 
-    from triton_offload.copiers import DmaCopier, JobHolds
-    from triton_offload.jobs import FROM_POOL, TO_POOL, JobSpec
+    from triton_offload.transfer.copiers import DmaCopier, JobHolds
+    from triton_offload.transfer.jobs import FROM_POOL, TO_POOL, JobSpec
 
     gpu, host, first = store_job(blocks_per_chunk)
     runs_gpu, runs_host = ([[0, 1, 2], [], [8, 9]], [[5], [], [6]])
@@ -455,8 +455,8 @@ def test_cuda_job_flow_with_stand_in_streams(monkeypatch: pytest.MonkeyPatch) ->
     import contextlib
     from types import SimpleNamespace
 
-    from triton_offload import copiers, cpu_copy
-    from triton_offload.selection import FixedPath
+    from triton_offload.transfer import copiers, cpu_copy
+    from triton_offload.transfer.selection import FixedPath
 
     caches, _ = hybrid_caches()
     engine = make_engine(caches, 1, "torch")
@@ -560,8 +560,8 @@ def test_cuda_job_flow_with_stand_in_streams(monkeypatch: pytest.MonkeyPatch) ->
 @given(data=st.data(), blocks_per_chunk=st.integers(1, 4))
 def test_random_jobs_match_the_reference(data: st.DataObject, blocks_per_chunk: int) -> None:
     """Random stores then loads on the torch path, against the plain torch reference."""
-    from triton_offload.jobs import Direction
-    from triton_offload.reference import reference_copy
+    from triton_offload.transfer.jobs import Direction
+    from triton_offload.transfer.reference import reference_copy
 
     caches, storages = hybrid_caches(seed=data.draw(st.integers(0, 3)))
     engine = make_engine(caches, blocks_per_chunk, "torch")
@@ -628,7 +628,7 @@ def test_small_and_large_job_paths_build_and_reject_alike(
 ) -> None:
     """Small jobs are built with Python ints, large ones with numpy: same tables, same
     verdicts (ids drawn with repeats so that clashes and range errors occur)."""
-    from triton_offload import jobs
+    from triton_offload.transfer import jobs
 
     caches, _ = hybrid_caches()
     engine = make_engine(caches, blocks_per_chunk, "torch")
@@ -676,8 +676,8 @@ def test_calibration_runs_real_jobs_through_the_engine(monkeypatch: pytest.Monke
     """
     if not INTERPRETED:
         pytest.skip("CPU tensors need TRITON_INTERPRET=1 for the kernel")
-    from triton_offload import selection
-    from triton_offload.copiers import DmaCopier
+    from triton_offload.transfer import selection
+    from triton_offload.transfer.copiers import DmaCopier
 
     caches, storages = hybrid_caches()
     engine = make_engine(caches, 1, "triton")
@@ -755,7 +755,7 @@ def test_cpu_backend_never_imports_triton() -> None:
 import sys
 import torch
 from triton_offload import GroupSpec, TransferEngine, plan_offload
-from triton_offload.jobs import JobSpec
+from triton_offload.transfer.jobs import JobSpec
 plan = plan_offload([GroupSpec("full_attention", 16)], blocks_per_chunk=2)
 kv = torch.randint(0, 100, (2, 8, 4, 8), dtype=torch.int32)
 before = kv.clone()

@@ -21,9 +21,9 @@ from test_engine import (
     snapshot,
 )
 
-from triton_offload import selection
-from triton_offload.copiers import DmaCopier
-from triton_offload.engine import TransferEngine
+from triton_offload.transfer import selection
+from triton_offload.transfer.copiers import DmaCopier
+from triton_offload.transfer.engine import TransferEngine
 
 
 def _calibrated_rows(rows: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> set[int]:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from triton_offload import GroupSpec, ParallelSpec, plan_offload
-from triton_offload.engine import TransferEngine
+from triton_offload.transfer.engine import TransferEngine
 
 pytestmark = pytest.mark.cuda
 
@@ -216,7 +216,7 @@ def test_dma_merges_contiguous_runs() -> None:
 
 
 def test_pool_pinned_in_pieces_with_one_device_mapping() -> None:
-    from triton_offload.pool import cuda_api
+    from triton_offload.transfer.pool import cuda_api
 
     caches, _ = hybrid_caches()
     engine = TransferEngine(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from triton_offload.copiers import load_kernels
+from triton_offload.transfer.copiers import load_kernels
 
 
 @pytest.mark.parametrize("backend", ["triton", "auto"])

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from triton_offload import GroupSpec, plan_offload
-from triton_offload.engine import TransferEngine
-from triton_offload.pool import wrap_pool
+from triton_offload.transfer.engine import TransferEngine
+from triton_offload.transfer.pool import wrap_pool
 
 NUM_BLOCKS = 6
 HOST_BLOCKS = 4
@@ -33,7 +33,7 @@ def make_caches() -> list:
 def engine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> TransferEngine:
     """An engine; jobs built and checked by the small-job (Python) or the numpy path."""
     if request.param == "numpy":
-        from triton_offload import jobs
+        from triton_offload.transfer import jobs
 
         monkeypatch.setattr(jobs, "SMALL_JOB_PAIRS", 0)
     return TransferEngine(two_group_plan(), make_caches(), HOST_BLOCKS, backend="torch")
@@ -175,7 +175,7 @@ def test_pool_argument() -> None:
 def test_block_lists_cannot_be_given_by_position(engine: TransferEngine) -> None:
     """Store and load once took their two lists in opposite orders; now only keywords or
     a JobSpec are accepted, so a swapped pair of lists cannot be passed by position."""
-    from triton_offload.jobs import JobSpec
+    from triton_offload.transfer.jobs import JobSpec
 
     assert_rejected(
         engine,
@@ -203,7 +203,7 @@ def test_block_lists_cannot_be_given_by_position(engine: TransferEngine) -> None
 
 
 def test_job_spec_is_immutable_and_checks_its_values() -> None:
-    from triton_offload.jobs import JobSpec
+    from triton_offload.transfer.jobs import JobSpec
 
     gpu = [3, 4]
     spec = JobSpec([gpu, []], [[1], []], [2, 0])

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from triton_offload import GroupSpec, ParallelSpec, plan_offload
-from triton_offload.engine import EXPEDITED_LOAD, TransferEngine
-from triton_offload.jobs import FROM_POOL, TO_POOL
+from triton_offload.transfer.engine import EXPEDITED_LOAD, TransferEngine
+from triton_offload.transfer.jobs import FROM_POOL, TO_POOL
 
 NUM_BLOCKS = 10
 HOST_BLOCKS = 6

@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from triton_offload import GroupSpec, cpu_copy, plan_offload
-from triton_offload.engine import TransferEngine
+from triton_offload import GroupSpec, plan_offload
+from triton_offload.transfer import cpu_copy
+from triton_offload.transfer.engine import TransferEngine
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 BACKENDS = [
@@ -111,8 +112,8 @@ def test_pool_overlapping_a_cache_plane_is_refused() -> None:
 
 @pytest.mark.skipif(not INTERPRETED, reason="CPU tensors need TRITON_INTERPRET=1")
 def test_one_off_copy_refuses_a_pool_inside_a_cache() -> None:
-    from triton_offload.copiers import copy_blocks
-    from triton_offload.layout import build_layout
+    from triton_offload.transfer.copiers import copy_blocks
+    from triton_offload.transfer.layout import build_layout
 
     memory = random_tensor(NUM_BLOCKS + ROWS, 32)
     layout = build_layout([[memory[:NUM_BLOCKS]]], num_groups=1, blocks_per_chunk=1)

@@ -32,10 +32,10 @@ from test_engine import (
     store_job,
 )
 
-from triton_offload import copiers, cpu_copy
-from triton_offload.copiers import HostCopier, JobHolds, TritonCopier, kernel_tables
-from triton_offload.jobs import FROM_POOL, JobSpec
-from triton_offload.selection import Crossover, CrossoverPath, FixedPath
+from triton_offload.transfer import copiers, cpu_copy
+from triton_offload.transfer.copiers import HostCopier, JobHolds, TritonCopier, kernel_tables
+from triton_offload.transfer.jobs import FROM_POOL, JobSpec
+from triton_offload.transfer.selection import Crossover, CrossoverPath, FixedPath
 
 
 class _Stream:

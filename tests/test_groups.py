@@ -134,8 +134,8 @@ def test_planner_imports_no_torch() -> None:
     import subprocess
 
     code = (
-        "import sys; import triton_offload.plan, triton_offload.lookup, "
-        "triton_offload.groups, triton_offload.plan_command; "
+        "import sys; import triton_offload.planner.plan, triton_offload.planner.lookup, "
+        "triton_offload.planner.groups, triton_offload.cli.plan; "
         "from triton_offload import plan_offload, GroupSpec; "
         "plan_offload([GroupSpec('full_attention', 16)]).lookup(32, 0, [[True, True]]); "
         "bad = [m for m in ('torch', 'triton', 'numpy') if m in sys.modules]; "

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from triton_offload.host_blocks import HostBlockManager, LoadHandle, StoreHandle
+from triton_offload.transfer.host_blocks import HostBlockManager, LoadHandle, StoreHandle
 
 
 def _store(manager: HostBlockManager, keys: list[str], group: int = 0) -> StoreHandle:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triton_offload.layout import build_layout, pool_plane_view
+from triton_offload.transfer.layout import build_layout, pool_plane_view
 
 
 def test_kv_tuple_and_mamba_planes_hand_computed() -> None:

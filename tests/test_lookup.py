@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import pytest
 
 from triton_offload import GroupSpec, OffloadPlan, ParallelSpec, plan_offload
-from triton_offload.lookup import (
+from triton_offload.planner.lookup import (
     first_absent,
     hit_end_problem,
     last_present,

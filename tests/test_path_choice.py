@@ -13,8 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from triton_offload.layout import CacheLayout, build_layout
-from triton_offload.selection import Assignment, Crossover, CrossoverPath
+from triton_offload.transfer.layout import CacheLayout, build_layout
+from triton_offload.transfer.selection import Assignment, Crossover, CrossoverPath
 
 PAGE_SIZES = (30, 64, 128, 528, 4096)
 GRID_PAGES = (1, 2, 5, 16, 64, 256)

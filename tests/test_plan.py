@@ -14,7 +14,7 @@ from triton_offload import (
     is_store_reachable_chunk,
     plan_offload,
 )
-from triton_offload.groups import PlanningError
+from triton_offload.planner.groups import PlanningError
 
 FULL16 = GroupSpec("full_attention", 16)
 MAMBA16_ALIGN = GroupSpec("mamba", 16, mamba_cache_mode="align")

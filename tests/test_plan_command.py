@@ -6,10 +6,11 @@ import argparse
 
 import pytest
 
-from triton_offload import GroupKind, GroupSpec, cli_args
+from triton_offload import GroupKind, GroupSpec
+from triton_offload.cli import args as cli_args
 from triton_offload.cli import main
-from triton_offload.plan_command import parse_group
-from triton_offload.presets import preset_names
+from triton_offload.cli.plan import parse_group
+from triton_offload.planner.presets import preset_names
 
 
 def run_plan(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

@@ -26,7 +26,7 @@ from triton_offload import (
     is_store_reachable_chunk,
     plan_offload,
 )
-from triton_offload.groups import MAMBA_CACHE_MODES
+from triton_offload.planner.groups import MAMBA_CACHE_MODES
 
 PROPERTY_SETTINGS = settings(
     max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow]

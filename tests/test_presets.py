@@ -6,11 +6,11 @@ import re
 from pathlib import Path
 
 import pytest
-from triton_offload.bench import command as bench_command
-from triton_offload.bench import presets as bench_presets
+from triton_offload.bench import cases as bench_cases
 
-from triton_offload.groups import GroupSpec
-from triton_offload.presets import PRESETS, describe_presets, preset_names
+from triton_offload.cli import bench as bench_command
+from triton_offload.planner.groups import GroupSpec
+from triton_offload.planner.presets import PRESETS, describe_presets, preset_names
 from triton_offload.verify import serving
 from triton_offload.verify.model import ModelConfig
 
@@ -23,7 +23,7 @@ def _shape(spec: GroupSpec) -> tuple[object, ...]:
 
 def test_every_command_takes_its_presets_from_the_table() -> None:
     assert list(bench_command.PRESET_NAMES) == preset_names("bench")
-    assert list(bench_presets.PRESETS) == preset_names("bench")
+    assert list(bench_cases.CASES) == preset_names("bench")
     assert list(serving.PRESETS) == preset_names("verify")
     assert preset_names("plan") == list(PRESETS)
 
@@ -31,7 +31,7 @@ def test_every_command_takes_its_presets_from_the_table() -> None:
 @pytest.mark.parametrize("name", preset_names("bench"))
 def test_bench_case_is_the_planners_model(name: str) -> None:
     """The pages bench moves belong to the groups plan shows for the same name."""
-    case = bench_presets.PRESETS[name]
+    case = bench_cases.CASES[name]
     shapes = [
         (g.name, g.kind, g.block_size, g.sliding_window, g.mamba_cache_mode) for g in case.groups
     ]
@@ -40,8 +40,8 @@ def test_bench_case_is_the_planners_model(name: str) -> None:
 
 def test_bench_tp_is_the_names() -> None:
     """llama3.1-8b-tp4 splits the 8 KV heads over 4 ranks: 8 KiB pages, a quarter of TP 1."""
-    tp1 = bench_presets.PRESETS["llama3.1-8b-tp1"].groups[0].plane_bytes
-    tp4 = bench_presets.PRESETS["llama3.1-8b-tp4"].groups[0].plane_bytes
+    tp1 = bench_cases.CASES["llama3.1-8b-tp1"].groups[0].plane_bytes
+    tp4 = bench_cases.CASES["llama3.1-8b-tp4"].groups[0].plane_bytes
     assert PRESETS["llama3.1-8b-tp4"].tp_size == 4 and PRESETS["llama3.1-8b-tp1"].tp_size == 1
     assert tp1 == (32768, 32768) and tp4 == (8192, 8192)
 

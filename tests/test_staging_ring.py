@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triton_offload import copiers
+from triton_offload.transfer import copiers
 
 
 class _Event:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from triton_offload import cli_args
+from triton_offload.cli import args as cli_args
 from triton_offload.cli import main
+from triton_offload.cli.verify import MAX_REQUEST_TOKENS, needed_bytes
 from triton_offload.verify import serving
-from triton_offload.verify.command import MAX_REQUEST_TOKENS, needed_bytes
 
 
 def refused(capsys: pytest.CaptureFixture[str], *argv: str) -> str:

@@ -562,7 +562,7 @@ def test_lazy_presence_asks_the_manager_only_for_what_the_scan_reads() -> None:
     """A 128k-token prompt fully stored: the planned lookup reads a few chunks of the
     windowed groups and the prefix of the unbounded one, memoised."""
     from triton_offload import GroupSpec, plan_offload
-    from triton_offload.vllm_connector import LazyPresence
+    from triton_offload.vllm.connector import LazyPresence
 
     class Manager:
         calls = 0

@@ -40,7 +40,7 @@ try:
     from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
     import triton_offload.vllm as tv
-    from triton_offload import vllm_region
+    from triton_offload.vllm import region as vllm_region
 
     VLLM_ERROR: str | None = None
 except ImportError as error:  # pragma: no cover - exercised where vllm is absent
@@ -536,7 +536,7 @@ def test_ranks_sharing_rows_calibrate_on_their_own_slice(
 ) -> None:
     # Under the single-copy layout every rank's pool is the same rows: the start-up
     # calibration of one rank must not store into rows another rank calibrates on.
-    import triton_offload.engine as engine_module
+    import triton_offload.transfer.engine as engine_module
 
     config = make_config(world_size=world_size, rank=rank, replicated=replicated)
     spec = tv.TritonOffloadingSpec(config)

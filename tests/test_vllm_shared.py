@@ -42,7 +42,7 @@ try:
     from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
     from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
-    import triton_offload.engine  # noqa: F401  (imported once here, not in every child)
+    import triton_offload.transfer.engine  # noqa: F401  (imported once here, not in every child)
     import triton_offload.vllm as tv
 
     VLLM_ERROR: str | None = None

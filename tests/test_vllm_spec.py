@@ -147,7 +147,7 @@ def _expected_pool(
     engine: Any, before: torch.Tensor, caches: Caches, writes: list[tuple[int, int, int, int]]
 ) -> torch.Tensor:
     """``before`` with (group, gpu block, host row, slot) pages written, all planes."""
-    from triton_offload.layout import pool_plane_view
+    from triton_offload.transfer.layout import pool_plane_view
 
     expected = before.clone()
     for group, block, row, slot in writes:
@@ -170,7 +170,7 @@ def test_import_without_vllm_names_the_extra(monkeypatch: pytest.MonkeyPatch) ->
 def test_package_import_does_not_import_vllm() -> None:
     import subprocess
 
-    code = "import sys, triton_offload, triton_offload.plan; print('vllm' in sys.modules)"
+    code = "import sys, triton_offload, triton_offload.planner.plan; print('vllm' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -240,7 +240,7 @@ def test_plugin_registration_is_cheap() -> None:
         "import sys, triton_offload.vllm as tv; tv.register()\n"
         "from vllm.v1.kv_offload.factory import OffloadingSpecFactory as F\n"
         "heavy = ['vllm.distributed.kv_transfer', 'vllm.v1.kv_offload.cpu.spec',"
-        " 'triton_offload.engine', 'triton_offload.kernels.copy_blocks']\n"
+        " 'triton_offload.transfer.engine', 'triton_offload.kernels.copy_blocks']\n"
         "print(tv.SPEC_NAME in F._registry, [m for m in heavy if m in sys.modules],"
         " 'TritonOffloadingSpec' in vars(tv))"
     )
@@ -351,7 +351,7 @@ def test_bad_extra_config_is_rejected(tv: Any, extra: dict[str, Any], match: str
 )
 def test_crossover_takes_the_engines_rule(tv: Any, crossover: Any, parsed: Any) -> None:
     """0 page bytes (DMA for every plane) is valid for the engine, so for the spec too."""
-    from triton_offload.selection import parse_crossover
+    from triton_offload.transfer.selection import parse_crossover
 
     options = tv.EngineOptions.from_extra_config({"crossover": crossover})
     assert options.crossover == parsed
@@ -373,7 +373,7 @@ def test_extra_config_reaches_the_engine(tv: Any) -> None:
 def test_expedited_loads_reach_the_engines_expedited_lane(
     tv: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from triton_offload.layout import pool_plane_view
+    from triton_offload.transfer.layout import pool_plane_view
 
     spec = tv.TritonOffloadingSpec(_config({"backend": "torch"}))
     caches = Caches()

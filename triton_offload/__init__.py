@@ -16,20 +16,20 @@ __version__ = "0.1.0"
 # Public name -> defining module. Resolved on first attribute access (PEP 562) so
 # that the planner can be used without importing torch or triton.
 _EXPORTS: dict[str, str] = {
-    "GroupKind": "triton_offload.groups",
-    "GroupSpec": "triton_offload.groups",
-    "ParallelSpec": "triton_offload.groups",
-    "PlanningError": "triton_offload.groups",
-    "OffloadPlan": "triton_offload.plan",
-    "GroupPlan": "triton_offload.plan",
-    "plan_offload": "triton_offload.plan",
-    "is_store_reachable_chunk": "triton_offload.lookup",
-    "JobSpec": "triton_offload.jobs",
-    "TransferEngine": "triton_offload.engine",
-    "TransferResult": "triton_offload.engine",
-    "HostBlockManager": "triton_offload.host_blocks",
-    "LoadHandle": "triton_offload.host_blocks",
-    "StoreHandle": "triton_offload.host_blocks",
+    "GroupKind": "triton_offload.planner.groups",
+    "GroupSpec": "triton_offload.planner.groups",
+    "ParallelSpec": "triton_offload.planner.groups",
+    "PlanningError": "triton_offload.planner.groups",
+    "OffloadPlan": "triton_offload.planner.plan",
+    "GroupPlan": "triton_offload.planner.plan",
+    "plan_offload": "triton_offload.planner.plan",
+    "is_store_reachable_chunk": "triton_offload.planner.lookup",
+    "JobSpec": "triton_offload.transfer.jobs",
+    "TransferEngine": "triton_offload.transfer.engine",
+    "TransferResult": "triton_offload.transfer.engine",
+    "HostBlockManager": "triton_offload.transfer.host_blocks",
+    "LoadHandle": "triton_offload.transfer.host_blocks",
+    "StoreHandle": "triton_offload.transfer.host_blocks",
 }
 
 __all__ = [
@@ -51,12 +51,12 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from triton_offload.engine import TransferEngine, TransferResult
-    from triton_offload.groups import GroupKind, GroupSpec, ParallelSpec, PlanningError
-    from triton_offload.host_blocks import HostBlockManager, LoadHandle, StoreHandle
-    from triton_offload.jobs import JobSpec
-    from triton_offload.lookup import is_store_reachable_chunk
-    from triton_offload.plan import GroupPlan, OffloadPlan, plan_offload
+    from triton_offload.planner.groups import GroupKind, GroupSpec, ParallelSpec, PlanningError
+    from triton_offload.planner.lookup import is_store_reachable_chunk
+    from triton_offload.planner.plan import GroupPlan, OffloadPlan, plan_offload
+    from triton_offload.transfer.engine import TransferEngine, TransferResult
+    from triton_offload.transfer.host_blocks import HostBlockManager, LoadHandle, StoreHandle
+    from triton_offload.transfer.jobs import JobSpec
 
 
 def __getattr__(name: str) -> Any:

@@ -40,24 +40,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
-# Only the library's public names: the loop is what an engine integration would write.
-from triton_offload import (
-    GroupKind,
-    GroupSpec,
-    HostBlockManager,
-    OffloadPlan,
-    ParallelSpec,
-    StoreHandle,
-    plan_offload,
-)
-from triton_offload.jobs import JobSpec
-from triton_offload.presets import PRESETS as MODEL_PRESETS
+# The planner and the data path only: the loop is what an engine integration would write.
+from triton_offload.planner.groups import GroupKind, GroupSpec, ParallelSpec
+from triton_offload.planner.plan import OffloadPlan, plan_offload
+from triton_offload.planner.presets import PRESETS as MODEL_PRESETS
+from triton_offload.transfer.host_blocks import HostBlockManager, StoreHandle
+from triton_offload.transfer.jobs import JobSpec
 from triton_offload.verify.model import HybridCache, HybridModel, ModelConfig, RequestBlocks
 from triton_offload.verify.stock_lookup import stock_groups, vllm_stock_hit
 
 if TYPE_CHECKING:
-    from triton_offload import TransferEngine
-    from triton_offload.engine import Backend
+    from triton_offload.transfer.engine import Backend, TransferEngine
 
 __all__ = [
     "INJECTIONS",
@@ -198,7 +191,7 @@ class OffloadServer:
     ) -> None:
         # Imported here, not at module level: `verify --backend triton` must switch the
         # Triton interpreter on before the engine imports the kernels.
-        from triton_offload import TransferEngine
+        from triton_offload.transfer.engine import TransferEngine
 
         if inject is not None and inject not in INJECTIONS:
             raise ValueError(f"inject {inject!r} is not one of {INJECTIONS}")

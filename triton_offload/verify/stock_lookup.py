@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from triton_offload.groups import GroupKind
-from triton_offload.plan import OffloadPlan
+from triton_offload.planner.groups import GroupKind
+from triton_offload.planner.plan import OffloadPlan
 
 __all__ = ["StockGroup", "stock_groups", "vllm_stock_hit"]
 

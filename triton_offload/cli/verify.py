@@ -1,0 +1,242 @@
+"""``triton-offload verify``: cold prefill vs offload hit, bitwise, over a scenario matrix.
+
+For every model preset, DCP size and chunk size, prompts placed around the chunk grid
+(on a boundary, one token after, one before, shorter than a chunk, several chunks, an
+extension of a stored prompt, and one with the host pool cleared in between) run once
+cold (storing) and once after clearing the GPU cache (looking up, loading, recomputing
+the rest). The table shows what the lookup allowed, what was loaded and recomputed,
+and whether generated tokens and logits equal the cold run's; the exit status is 1 if
+any scenario differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from triton_offload.cli.args import UsageError, check_fits_in_memory, format_bytes, int_at_least
+from triton_offload.planner.presets import PRESETS, preset_names
+
+if TYPE_CHECKING:  # serving imports torch: loaded only when a run starts
+    from triton_offload.verify.serving import Scenario, ScenarioResult
+
+__all__ = ["MAX_REQUEST_TOKENS", "configure_parser", "format_table", "needed_bytes", "run"]
+
+_BACKENDS = ("torch", "triton")
+
+#: Longest request (prompt + new tokens) verify runs. The verification model computes
+#: every token alone, against every earlier one, so time grows with the square of the
+#: prompt: the 7 scenarios of one preset at DCP 2 with 16 blocks per chunk (prompts up
+#: to 1,797 tokens) took 12 s on one core; at 4,096 tokens they take about a minute.
+MAX_REQUEST_TOKENS = 4096
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    from triton_offload.verify.serving import INJECTIONS
+
+    names = preset_names("verify")
+    parser.add_argument(
+        "--preset",
+        choices=[*names, "all"],
+        default="all",
+        help="model preset, a scaled-down model run end to end on the CPU (the same names "
+        "as plan): "
+        + "; ".join(f"{name}: {PRESETS[name].description}" for name in names)
+        + "; default: all",
+    )
+    parser.add_argument(
+        "--dcp",
+        type=int_at_least(1, "DCP size"),
+        default=None,
+        metavar="N",
+        help="DCP size (default: 1 and 2)",
+    )
+    parser.add_argument(
+        "--blocks-per-chunk",
+        type=int_at_least(1, "blocks per chunk"),
+        default=None,
+        metavar="N",
+        help="GPU blocks per offloaded chunk (default: 1 and 2); prompts grow with the chunk "
+        f"and a request may reach at most {MAX_REQUEST_TOKENS} tokens",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=_BACKENDS,
+        default="torch",
+        help="TransferEngine backend; 'triton' runs the copy kernels (under "
+        "TRITON_INTERPRET=1 on CPU, set here when CUDA is absent)",
+    )
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int_at_least(1, "new tokens"),
+        default=8,
+        metavar="N",
+        help="tokens decoded per request",
+    )
+    parser.add_argument(
+        "--inject",
+        choices=INJECTIONS,
+        default=None,
+        help="testing aid, makes verify fail on purpose: mamba-span-dcp (Mamba span "
+        "multiplied by DCP), no-mamba-round-down (Mamba planned as a sliding window, no "
+        "round-down), wrong-slot (load jobs with rotated GPU blocks), vllm-lookup (vLLM "
+        "0.33's stock lookup rule; fails the mamba-chunk-cut scenarios)",
+    )
+
+
+def _prepare_backend(backend: str) -> str | None:
+    """Make the Triton kernels runnable on this machine; an error message if impossible.
+
+    The verification model lives on the CPU, so the kernels run under the interpreter,
+    which must be switched on before the kernel module defines its ``@triton.jit``
+    functions.
+    """
+    if backend != "triton" or os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    if "triton_offload.kernels.copy_blocks" in sys.modules:
+        return (
+            "the kernels need TRITON_INTERPRET=1 (the verification model runs on the "
+            "CPU), but the kernels were already imported without it; set TRITON_INTERPRET=1 "
+            "in the environment"
+        )
+    os.environ["TRITON_INTERPRET"] = "1"
+    return None
+
+
+def needed_bytes(scenarios: Sequence[Scenario], max_new_tokens: int) -> int:
+    """Bytes the largest server of a run allocates: every rank's cache tensors (float32)
+    and every rank's host pool (``num_host_rows`` rows of the longest group row)."""
+    import inspect
+
+    from triton_offload.verify.model import ModelConfig
+    from triton_offload.verify.serving import PRESETS as LAYERS
+    from triton_offload.verify.serving import OffloadServer
+
+    rows = inspect.signature(OffloadServer).parameters["num_host_rows"].default
+    servers: dict[tuple[str, int, int], int] = {}
+    for s in scenarios:
+        key = (s.preset, s.dcp, s.blocks_per_chunk)
+        tokens = max(s.first_len, s.second_len) + max_new_tokens
+        servers[key] = max(servers.get(key, 0), tokens)
+    largest = 0
+    for (preset, dcp, bpc), tokens in servers.items():
+        c = ModelConfig(layers=LAYERS[preset])
+        blocks = 2 * max(c.blocks_per_rank(g, tokens, dcp) for g in range(len(c.group_kinds)))
+        attention = 2 * c.block_size * c.hidden_size * 4  # K and V pages
+        mamba = ((c.conv_kernel - 1) * c.hidden_size + c.hidden_size * c.ssm_state_size) * 4
+        page = {kind: mamba if kind == "mamba" else attention for kind in c.layers}
+        cache = dcp * blocks * sum(page[kind] for kind in c.layers)
+        row = max(bpc * page[kind] * c.layers.count(kind) for kind in c.group_kinds)
+        largest = max(largest, cache + dcp * rows * ((row + 15) // 16 * 16))
+    return largest
+
+
+def _check_sizes(args: argparse.Namespace, scenarios: Sequence[Scenario]) -> None:
+    """Refuse a run that would not fit in memory, or whose prompts are too long."""
+    flags = " ".join(
+        f"--{name.replace('_', '-')} {value}"
+        for name, value in (("dcp", args.dcp), ("blocks_per_chunk", args.blocks_per_chunk))
+        if value is not None
+    )
+    longest = max(max(s.first_len, s.second_len) for s in scenarios)
+    request = longest + args.max_new_tokens
+    if request > MAX_REQUEST_TOKENS:
+        if longest + 1 <= MAX_REQUEST_TOKENS:
+            raise UsageError(
+                f"--max-new-tokens {args.max_new_tokens}: with prompts of up to {longest:,} "
+                f"tokens a request reaches {request:,} tokens; verify runs requests of at most "
+                f"{MAX_REQUEST_TOKENS:,} tokens (the model computes every token alone)"
+            )
+        chunk = max(s.first_len // 2 for s in scenarios if s.name.endswith("/boundary"))
+        raise UsageError(
+            f"{flags or '--preset ' + args.preset}: chunks of up to {chunk:,} tokens make "
+            f"prompts of up to {longest:,} tokens and would need "
+            f"{format_bytes(needed_bytes(scenarios, args.max_new_tokens))} of caches and host "
+            f"pools; verify runs requests of at most "
+            f"{MAX_REQUEST_TOKENS:,} tokens (the model computes every token alone, so time "
+            "grows with the square of the prompt)"
+        )
+    check_fits_in_memory(
+        flags or "--preset " + args.preset,
+        needed_bytes(scenarios, args.max_new_tokens),
+        "the verification caches and host pools",
+    )
+
+
+def format_table(results: Sequence[ScenarioResult]) -> str:
+    """The scenario table (one row per ``ScenarioResult``)."""
+    header = (
+        "scenario",
+        "prompt",
+        "lookup",
+        "loaded",
+        "recomputed",
+        "load bytes",
+        "tokens equal",
+        "logits equal",
+        "max |diff|",
+        "result",
+    )
+    rows = [header]
+    for r in results:
+        s = r.scenario
+        rows.append(
+            (
+                s.name,
+                str(s.second_len),
+                str(r.lookup_tokens),
+                str(r.loaded_tokens),
+                str(r.recomputed_tokens),
+                str(r.load_bytes),
+                "yes" if r.tokens_equal else "NO",
+                "yes" if r.logits_equal else "NO",
+                f"{r.max_abs_diff:.3g}",
+                "ok" if r.passed else "FAIL",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = []
+    for row in rows:
+        cells = [row[0].ljust(widths[0])]
+        cells += [cell.rjust(width) for cell, width in zip(row[1:], widths[1:], strict=True)]
+        lines.append("  ".join(cells))
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    problem = _prepare_backend(args.backend)
+    if problem is not None:
+        raise UsageError(f"--backend {args.backend}: {problem}")
+
+    from triton_offload.verify.serving import PRESETS as LAYERS
+    from triton_offload.verify.serving import build_scenarios, run_scenarios
+
+    presets = list(LAYERS) if args.preset == "all" else [args.preset]
+    dcps = [1, 2] if args.dcp is None else [args.dcp]
+    bpcs = [1, 2] if args.blocks_per_chunk is None else [args.blocks_per_chunk]
+    scenarios = build_scenarios(presets, dcps, bpcs)
+    _check_sizes(args, scenarios)
+    inject = f", injected bug: {args.inject}" if args.inject else ""
+    print(
+        f"verify: {len(scenarios)} scenarios, backend {args.backend}, "
+        f"{args.max_new_tokens} new tokens per request{inject}"
+    )
+    start = time.perf_counter()
+    results = run_scenarios(
+        scenarios, backend=args.backend, inject=args.inject, max_new_tokens=args.max_new_tokens
+    )
+    elapsed = time.perf_counter() - start
+    print(format_table(results))
+    failed = [r for r in results if not r.passed]
+    if failed:
+        print(f"\nFAILED: {len(failed)} of {len(results)} scenarios ({elapsed:.1f} s)")
+        for r in failed:
+            print(f"  {r.failure}")
+        return 1
+    print(f"\nall {len(results)} scenarios equal ({elapsed:.1f} s)")
+    return 0

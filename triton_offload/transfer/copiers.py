@@ -1,0 +1,592 @@
+"""Copiers: the ways a validated job's pages move, behind one small interface.
+
+A :class:`Copier` takes a job's pair table, its direction and the planes it is asked to
+move (all planes, or a subset when a job is split between copiers) and returns, from
+``prepare``, a callable that enqueues the copy. ``prepare`` does the host work (address
+arithmetic, staging of tables, their upload on the current stream) so that the engine
+can record a job's start event after it: the timed span is the copy itself.
+
+- :class:`HostCopier` (``"torch"``): the CPU memmove path of ``cpu_copy`` (no CUDA,
+  no Triton).
+- :class:`DmaCopier` (``"dma"``): the copy engines, one ``cuMemcpyBatchAsync`` per
+  job (a per-run ``cudaMemcpyAsync`` loop on drivers before 12.8).
+- :class:`TritonCopier` (``"triton"``): one launch of the copy kernel covering every
+  group, plane and block it is given (CUDA, or CPU tensors under the interpreter).
+
+All copiers address pool row ``r`` at ``pool_address + r * row_stride``: the row stride
+of the pool tensor, which may exceed the bytes a row holds.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import math
+import os
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from triton_offload.transfer import cpu_copy
+from triton_offload.transfer.batch_copy import BatchCopy
+from triton_offload.transfer.jobs import PairTable, validate_pairs
+from triton_offload.transfer.layout import CacheLayout, check_int, check_pool_placement
+
+#: Pinned staging buffers kept for pair tables; more in-flight jobs than this wait
+#: for the oldest buffer's job to finish before reusing it.
+MAX_STAGING_BUFFERS = 64
+
+#: Planes a copier is asked to move: indices into ``layout.planes`` (sorted), or None
+#: for all of them.
+PlaneSubset = tuple[int, ...] | None
+
+
+@dataclass
+class JobHolds:
+    """What a job keeps until it ends: device tables, and staging to release after it."""
+
+    keep_alive: list[Any] = field(default_factory=list)
+    releases: list[Callable[[Any], None]] = field(default_factory=list)
+
+    def release_after(self, event: Any) -> None:
+        for release in self.releases:
+            release(event)
+        self.releases.clear()
+
+
+class Copier(abc.ABC):
+    """One way of moving pages; ``name`` is what the engine reports for the jobs it ran."""
+
+    name: ClassVar[str]
+
+    @abc.abstractmethod
+    def prepare(
+        self,
+        table: PairTable,
+        direction: int,
+        planes: PlaneSubset,
+        holds: JobHolds,
+        stream: Any,
+    ) -> Callable[[], None]:
+        """Host work for one job; returns the call that enqueues (or, on CPU, does) the copy.
+
+        ``stream`` is the CUDA stream the copy will run on (None on CPU); anything this
+        enqueues goes onto the current stream, which the engine made ``stream``.
+        """
+
+
+def _planes_of(layout: CacheLayout, planes: PlaneSubset) -> PlaneSubset:
+    return None if planes is None or len(planes) == len(layout.planes) else planes
+
+
+class HostCopier(Copier):
+    """The CPU path: one ``memmove`` per merged run (see ``cpu_copy``)."""
+
+    name = "torch"
+
+    def __init__(self, layout: CacheLayout, pool_address: int, row_stride: int) -> None:
+        self.layout = layout
+        self.pool_address = pool_address
+        self.row_stride = row_stride
+        self._runs = cpu_copy.RunBuilder(layout)
+
+    def prepare(
+        self, table: PairTable, direction: int, planes: PlaneSubset, holds: JobHolds, stream: Any
+    ) -> Callable[[], None]:
+        layout, address, stride = self.layout, self.pool_address, self.row_stride
+        subset = _planes_of(layout, planes)
+
+        def run() -> None:
+            cpu_copy.copy_pages(
+                layout,
+                address,
+                stride,
+                table.pairs,
+                table.offsets,
+                direction,
+                planes=subset,
+                runs=self._runs,
+            )
+
+        return run
+
+
+class DmaCopier(Copier):
+    """The copy-engine path: the job's merged runs, one batched driver call per job.
+
+    Runs are pages adjacent on both sides (consecutive GPU blocks of a plane whose
+    block stride equals its page size, consecutive slots of one pool row); a padded
+    or K/V-interleaved plane is copied page by page. With ``batch`` (a
+    :class:`~triton_offload.transfer.batch_copy.BatchCopy`) every run of the job goes into one
+    ``cuMemcpyBatchAsync``, descriptors built with numpy; without it (a driver before
+    12.8) the fallback is one ``api.memcpy_async`` per run. ``mode`` names the path.
+    """
+
+    name = "dma"
+
+    def __init__(
+        self,
+        layout: CacheLayout,
+        pool_address: int,
+        row_stride: int,
+        api: Any,
+        batch: BatchCopy | None = None,
+        *,
+        fallback_reason: str = "",
+    ) -> None:
+        self.layout = layout
+        self.pool_address = pool_address
+        self.row_stride = row_stride
+        self.api = api
+        self.batch = batch
+        self.mode = (
+            f"batched ({batch.source})"
+            if batch is not None
+            else (fallback_reason or "per-run cudaMemcpyAsync loop")
+        )
+        self._runs = cpu_copy.RunBuilder(layout)
+        self.last_copy_count = 0
+        self.last_call_count = 0
+
+    def descriptors(
+        self, table: PairTable, direction: int, planes: PlaneSubset
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(targets, sources, lengths) of every merged run of the job: uint64 arrays.
+
+        The CPU path's runs (same addresses, same merging), built with a fixed number
+        of numpy calls per group whatever the number of planes.
+        """
+        runs = self._runs.runs(
+            self.pool_address,
+            self.row_stride,
+            table.pairs,
+            table.offsets,
+            direction,
+            _planes_of(self.layout, planes),
+        )
+        return (
+            runs.targets.view(np.uint64),
+            runs.sources.view(np.uint64),
+            runs.lengths.view(np.uint64),
+        )
+
+    def prepare(
+        self, table: PairTable, direction: int, planes: PlaneSubset, holds: JobHolds, stream: Any
+    ) -> Callable[[], None]:
+        targets, sources, lengths = self.descriptors(table, direction, planes)
+        handle = 0 if stream is None else int(stream.cuda_stream)
+        count = int(lengths.size)
+        batch = self.batch
+        if batch is not None:
+            holds.keep_alive.append((targets, sources, lengths))
+
+            def run_batch() -> None:
+                batch(targets, sources, lengths, handle)
+                self.last_copy_count, self.last_call_count = count, int(count > 0)
+
+            return run_batch
+        copy = self.api.memcpy_async
+        runs = (targets.tolist(), sources.tolist(), lengths.tolist())
+
+        def run_loop() -> None:
+            for target, source, length in zip(*runs, strict=True):
+                copy(target, source, length, handle)
+            self.last_copy_count = self.last_call_count = count
+
+        return run_loop
+
+
+# ---------------------------------------------------------------------- the kernel
+
+
+def load_kernels(backend: str, cuda: bool) -> ModuleType:
+    """The launcher module, after checking it can run the caches' device.
+
+    On CPU tensors the kernel needs the Triton interpreter (set before the first
+    import); on CUDA caches an interpreted module would dereference device addresses on
+    the host. ValueError says which and what to do.
+    """
+    if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"backend {backend!r} on CPU tensors needs the Triton interpreter: set "
+            "TRITON_INTERPRET=1 in the environment before triton_offload.kernels is "
+            "imported (or use backend='torch')"
+        )
+    from triton_offload.kernels import copy_blocks
+
+    if not cuda and not copy_blocks._INTERPRETED:
+        raise ValueError(
+            f"backend {backend!r} on CPU tensors needs the Triton interpreter, but "
+            "triton_offload.kernels.copy_blocks was imported before "
+            "TRITON_INTERPRET=1 was set; set it before the first import"
+        )
+    if cuda and copy_blocks._INTERPRETED:
+        raise ValueError(
+            f"backend {backend!r} on CUDA caches needs the compiled kernel, but "
+            "TRITON_INTERPRET=1 was set when triton_offload.kernels was imported; "
+            "unset it (or use backend='dma')"
+        )
+    return copy_blocks
+
+
+@dataclass(frozen=True, eq=False)
+class KernelTables:
+    """The kernel's static tables for some planes of a layout (see ``CopyTables``).
+
+    ``planes`` are the layout's plane indices the tables cover. Groups without such a
+    plane keep their row in ``group_table`` with zero tiles per pair, so a job's group
+    offsets stay valid for every subset.
+    """
+
+    tile_table: torch.Tensor
+    group_table: torch.Tensor
+    num_groups: int
+    pool_row_bytes: int  # the row stride
+    mean_tile_bytes: int
+    device: torch.device
+    planes: tuple[int, ...]
+
+
+def kernel_tables(
+    layout: CacheLayout,
+    row_stride: int,
+    tile_bytes: int,
+    device: torch.device,
+    planes: Sequence[int] | None = None,
+) -> KernelTables:
+    """Cut the given planes (all when None) into tiles of at most ``tile_bytes``; upload."""
+    chosen = tuple(range(len(layout.planes))) if planes is None else tuple(sorted(planes))
+    wanted = set(chosen)
+    tiles: list[tuple[int, int, int, int, int]] = []
+    group_rows: list[tuple[int, int]] = []
+    for group in range(layout.num_groups):
+        first = len(tiles)
+        for index in layout.group_planes[group]:
+            if index not in wanted:
+                continue
+            plane = layout.planes[index]
+            for start in range(0, plane.page_bytes, tile_bytes):
+                tiles.append(
+                    (
+                        plane.base_address + start,
+                        plane.block_stride,
+                        plane.pool_offset + start,
+                        plane.page_bytes,
+                        min(tile_bytes, plane.page_bytes - start),
+                    )
+                )
+        group_rows.append((len(tiles) - first, first))
+    return KernelTables(
+        tile_table=torch.tensor(tiles, dtype=torch.int64).reshape(-1, 5).to(device),
+        group_table=torch.tensor(group_rows, dtype=torch.int64).reshape(-1, 2).to(device),
+        num_groups=layout.num_groups,
+        pool_row_bytes=row_stride,
+        mean_tile_bytes=sum(t[4] for t in tiles) // len(tiles) if tiles else tile_bytes,
+        device=device,
+        planes=chosen,
+    )
+
+
+def _pinned_int64(numel: int) -> torch.Tensor:
+    capacity = 1 << max(10, math.ceil(math.log2(max(numel, 1))))
+    return torch.empty(capacity, dtype=torch.int64, pin_memory=True)
+
+
+def _upload(words: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Enqueue the copy of pinned int64 ``words`` to a new tensor on ``device``.
+
+    On the current stream, without waiting: the staging buffer must stay untouched
+    until an event recorded after this copy completed.
+    """
+    target = torch.empty(words.numel(), dtype=torch.int64, device=device)
+    target.copy_(words, non_blocking=True)
+    return target
+
+
+class StagingRing:
+    """Pinned int64 buffers for staged tables; each is reused only after its job ended.
+
+    A buffer is free (never used, or its job ended), held (acquired, its release not yet
+    registered) or busy (released after an event that has not completed). Busy buffers
+    wait in release order: each transfer stream finishes its jobs in submit order, so
+    when the oldest busy buffer's event has not completed the newer ones mostly have
+    not either, and a job queries that one event only.
+    """
+
+    def __init__(self, limit: int = MAX_STAGING_BUFFERS) -> None:
+        self.buffers: list[torch.Tensor] = []
+        #: The event each buffer was last released after (None: never released).
+        self.events: list[Any] = []
+        self._free: list[int] = []
+        self._busy: deque[int] = deque()
+        self.limit = limit
+
+    def acquire(self, numel: int) -> tuple[int, torch.Tensor]:
+        """A buffer of at least ``numel`` words, held until :meth:`release_after`."""
+        index = self._take()
+        if self.buffers[index].numel() < max(numel, 1):
+            self.buffers[index] = _pinned_int64(numel)
+        return index, self.buffers[index][:numel]
+
+    def _take(self) -> int:
+        if self._free:
+            return self._free.pop()
+        busy = self._busy
+        if busy and self._ended(busy[0]):
+            return busy.popleft()
+        if len(self.buffers) < self.limit:
+            self.buffers.append(torch.empty(0, dtype=torch.int64))  # sized by acquire
+            self.events.append(None)
+            return len(self.buffers) - 1
+        if not busy:
+            raise RuntimeError(f"all {self.limit} staging buffers are held by unreleased jobs")
+        # Every buffer is in use. Stores and loads end independently, so a newer buffer
+        # may have ended before the oldest: taking it is cheaper than blocking the host.
+        for position in range(1, len(busy)):
+            if self._ended(busy[position]):
+                index = busy[position]
+                del busy[position]
+                return index
+        index = busy.popleft()
+        self.events[index].synchronize()
+        return index
+
+    def _ended(self, index: int) -> bool:
+        event = self.events[index]
+        return event is None or bool(event.query())
+
+    def release_after(self, index: int, event: Any) -> None:
+        """Free buffer ``index`` once ``event`` completed (at once for None)."""
+        self.events[index] = event
+        if event is None:
+            self._free.append(index)
+        else:
+            self._busy.append(index)
+
+
+def table_layout(num_pairs: int, num_offsets: int) -> tuple[int, int]:
+    """(start of the group offsets, total int64 words) of a job's packed table.
+
+    The pairs come first and the group offsets right after them. No padding: the kernel
+    is compiled with every argument in ``do_not_specialize`` (an odd pair count does
+    not compile a second variant) and reads both tables with scalar int64 loads, which
+    need only the 8-byte alignment every word of the buffer has.
+    """
+    start = 3 * num_pairs
+    return start, start + num_offsets
+
+
+class TritonCopier(Copier):
+    """One launch of the copy kernel per job (or per plane subset of a job)."""
+
+    name = "triton"
+
+    def __init__(
+        self,
+        layout: CacheLayout,
+        pool_address: int,
+        row_stride: int,
+        *,
+        device: torch.device,
+        cuda: bool,
+        num_programs: int | None = None,
+        kernels: ModuleType | None = None,
+    ) -> None:
+        self.kernels = load_kernels(self.name, cuda) if kernels is None else kernels
+        self.layout = layout
+        self.pool_address = pool_address
+        self.row_stride = row_stride
+        self.device = device
+        self.cuda = cuda
+        self.num_programs = num_programs
+        self.staging = StagingRing()
+        # At construction: a plain upload (the engine synchronizes before the first job).
+        self.tables = self._tables(None)
+        self._subsets: dict[tuple[int, ...], KernelTables] = {}
+        # Per subset uploaded on a transfer stream (CUDA): the event recorded after its
+        # upload, and the handles of the streams already ordered after it.
+        self._uploads: dict[tuple[int, ...], tuple[Any, set[int]]] = {}
+
+    def _tables(self, planes: PlaneSubset) -> KernelTables:
+        return kernel_tables(
+            self.layout, self.row_stride, self.kernels.TILE_BYTES, self.device, planes
+        )
+
+    def tables_for(self, planes: PlaneSubset, stream: Any = None) -> KernelTables:
+        """Static tables of a plane subset: built once per subset, then reused.
+
+        On CUDA, ``stream`` (default: the current one) is the stream that launches with
+        them. Subsets appear while serving (which planes go to the kernel depends on
+        the blocks each group has in a job), so a new subset's tables are staged in
+        pinned memory and uploaded on ``stream`` without waiting on the host: a
+        pageable copy or a synchronize would hold the host until compute reached the
+        job. Any other stream that launches with them waits once, on the device, for an
+        event recorded after that upload.
+        """
+        planes = _planes_of(self.layout, planes)
+        if planes is None:
+            return self.tables
+        tables = self._subsets.get(planes)
+        if not self.cuda:
+            if tables is None:
+                tables = self._subsets[planes] = self._tables(planes)
+            return tables
+        if stream is None:
+            stream = torch.cuda.current_stream(self.device)
+        handle = int(stream.cuda_stream)
+        if tables is None:
+            tables = self._subsets[planes] = self._upload_tables(planes, stream, handle)
+            return tables
+        ready, ordered = self._uploads[planes]
+        if handle not in ordered:
+            stream.wait_event(ready)
+            ordered.add(handle)
+        return tables
+
+    def _upload_tables(self, planes: tuple[int, ...], stream: Any, handle: int) -> KernelTables:
+        staged_tables = kernel_tables(
+            self.layout, self.row_stride, self.kernels.TILE_BYTES, torch.device("cpu"), planes
+        )
+        tiles = staged_tables.tile_table.reshape(-1)
+        groups = staged_tables.group_table.reshape(-1)
+        index, staged = self.staging.acquire(tiles.numel() + groups.numel())
+        try:
+            staged[: tiles.numel()] = tiles
+            staged[tiles.numel() :] = groups
+            words = _upload(staged, self.device)
+        except BaseException:
+            self.staging.release_after(index, None)  # nothing enqueued reads it
+            raise
+        ready = torch.cuda.Event()
+        ready.record(stream)
+        self.staging.release_after(index, ready)
+        self._uploads[planes] = (ready, {handle})
+        return dataclasses.replace(
+            staged_tables,
+            tile_table=words[: tiles.numel()].view(-1, 5),
+            group_table=words[tiles.numel() :].view(-1, 2),
+            device=self.device,
+        )
+
+    def warm_up(self) -> None:
+        """Compile the kernel before the first job (a launch that moves no byte).
+
+        No kernel argument is specialized, so the one kernel compiled for this device
+        serves every later job, whatever its tables, pair count or pool address.
+        """
+        self.kernels.warm_up(self.device)
+
+    def grid(self, tables: KernelTables) -> int:
+        if self.num_programs is not None:
+            return self.num_programs
+        return int(self.kernels.default_num_programs(self.device, tables.mean_tile_bytes))
+
+    def prepare(
+        self, table: PairTable, direction: int, planes: PlaneSubset, holds: JobHolds, stream: Any
+    ) -> Callable[[], None]:
+        tables = self.tables_for(planes, stream)
+        pairs, offsets = table
+        n = pairs.shape[0]
+        if self.cuda:
+            start, total = table_layout(n, offsets.size)
+            index, staged = self.staging.acquire(total)
+            # Released after the job's end event, which the engine records even when the
+            # job fails: nothing enqueued for the job reads the buffer after it.
+            holds.releases.append(lambda event: self.staging.release_after(index, event))
+            words = staged.numpy()
+            words[: 3 * n] = pairs.reshape(-1)
+            words[start:total] = offsets
+            device_table = _upload(staged, self.device)
+            holds.keep_alive.append(device_table)
+            device_pairs = device_table[: 3 * n].view(n, 3)
+            device_offsets = device_table[start:total]
+        else:
+            device_pairs = torch.from_numpy(np.ascontiguousarray(pairs))
+            device_offsets = torch.from_numpy(np.ascontiguousarray(offsets))
+        launch, address, grid = self.kernels.launch_copy, self.pool_address, self.grid(tables)
+
+        def run() -> None:
+            launch(tables, device_pairs, device_offsets, address, direction, num_programs=grid)
+
+        return run
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    if a.type != b.type:
+        return False
+    if a.type == "cuda":
+        index_a = a.index if a.index is not None else torch.cuda.current_device()
+        index_b = b.index if b.index is not None else torch.cuda.current_device()
+        return index_a == index_b
+    return True
+
+
+def copy_blocks(
+    layout: CacheLayout,
+    pairs: Any,
+    group_offsets: Any,
+    pool: torch.Tensor,
+    direction: int,
+    *,
+    num_programs: int | None = None,
+) -> None:
+    """Validate a pair table and run it with one kernel launch: the checked entry point.
+
+    For tests and one-off copies (the engine keeps its tables and staging instead).
+    ``pool`` is a uint8 ``[rows, >= layout.row_bytes]`` tensor on ``layout.device`` with
+    contiguous rows, spaced ``pool.stride(0)`` bytes apart. Raises ValueError/TypeError
+    before any byte moves.
+    """
+    if not isinstance(pool, torch.Tensor):
+        raise TypeError(f"pool must be a torch.Tensor, got {type(pool).__name__}")
+    if pool.dtype != torch.uint8 or pool.dim() != 2 or pool.size(1) < layout.row_bytes:
+        raise ValueError(
+            f"pool must be a uint8 [rows, >= {layout.row_bytes}] tensor, got {pool.dtype} "
+            f"{tuple(pool.shape)}"
+        )
+    if pool.size(1) > 1 and pool.stride(1) != 1:
+        raise ValueError(f"pool rows must be contiguous, got strides {pool.stride()}")
+    if pool.size(0) > 1 and pool.stride(0) < pool.size(1):
+        raise ValueError(f"pool rows overlap: strides {pool.stride()}, rows of {pool.size(1)}")
+    if not _same_device(pool.device, layout.device):
+        raise ValueError(f"pool is on {pool.device}, the layout on {layout.device}")
+    check_pool_placement(pool, layout)
+    validate_pairs(layout, pool.size(0), pairs, group_offsets, direction)
+    if num_programs is not None:
+        num_programs = check_int("num_programs", num_programs, 1)
+    kernels = load_kernels("triton", layout.device.type == "cuda")
+    stride = int(pool.stride(0)) if pool.size(0) > 1 else int(pool.size(1))
+    tables = kernel_tables(layout, stride, kernels.TILE_BYTES, layout.device)
+    table = torch.as_tensor(pairs).to(device=layout.device, dtype=torch.int64).contiguous()
+    offsets = torch.as_tensor(group_offsets).to(device=layout.device, dtype=torch.int64)
+    if num_programs is None:
+        num_programs = int(kernels.default_num_programs(layout.device, tables.mean_tile_bytes))
+    kernels.launch_copy(
+        tables,
+        table,
+        offsets.contiguous(),
+        pool.data_ptr(),
+        int(direction),
+        num_programs=num_programs,
+    )
+
+
+__all__ = [
+    "MAX_STAGING_BUFFERS",
+    "Copier",
+    "DmaCopier",
+    "HostCopier",
+    "JobHolds",
+    "KernelTables",
+    "StagingRing",
+    "TritonCopier",
+    "copy_blocks",
+    "kernel_tables",
+    "load_kernels",
+    "table_layout",
+]

@@ -1,0 +1,658 @@
+"""TransferEngine: moves cache blocks between GPU cache planes and the host pool.
+
+A job is a :class:`~triton_offload.transfer.jobs.JobSpec`: per cache group, GPU block ids, host
+rows and the logical index of the first block (see ``triton_offload.transfer.jobs``). The engine
+turns it into an int64 pair table (one row per block pair, whatever the number of
+layers), validates it completely before any byte moves, and hands it to copiers
+(``triton_offload.transfer.copiers``) as its path policy
+(``triton_offload.transfer.selection``) assigns the job's planes:
+
+- ``"triton"``: every plane by the copy kernel, one launch per job (on CUDA, or on CPU
+  tensors under ``TRITON_INTERPRET=1``);
+- ``"dma"``: every plane by the CUDA copy engines;
+- ``"torch"``: the CPU path (no CUDA, no Triton import);
+- ``"auto"``: the CPU path without CUDA; on CUDA the kernel for some planes and DMA for
+  others, per plane from a crossover measured at start-up (or configured).
+
+The engine itself keeps streams, events, FIFO completion and the lifecycle. On CUDA
+every job runs on a dedicated stream per lane, after an event recorded on the caller's
+current stream at submit time: a store must not read KV before compute wrote it, a load
+must not overwrite blocks that attention may still read. The lanes are stores, loads
+and expedited loads (``submit_load(..., expedited=True)``: a load the caller waits on
+within its step, e.g. vLLM's synchronous loads, which must not queue behind regular
+loads; it runs on a third stream of the device's highest priority). A job's copiers
+run one after another on its lane's stream between one start and one end event; the
+start is recorded after the host work (address arithmetic, table staging and upload),
+so ``transfer_time`` is the copy. Jobs complete in FIFO order per lane. Without CUDA
+jobs run synchronously at submit (``expedited`` is accepted and changes nothing but
+the lane's copy lock: an expedited copy never waits for another thread's regular
+load) and ``get_finished`` reports them once, in the order they finished (submit order
+for one thread).
+
+Job ids: any hashable; an id is in flight from its submit until ``get_finished``
+reported it, and may be reused after that. ``wait`` blocks until jobs finished and
+leaves their results to ``get_finished``. ``submit_*`` returns True when the job was
+accepted (its result will be reported, with ``success=False`` if it failed while
+running) and False once ``shutdown()`` was called; bad input raises ValueError or
+TypeError before anything is enqueued.
+
+Threads: ``submit_store``, ``submit_load``, ``get_finished``, ``wait`` and
+``shutdown`` may be called from different threads (a lock guards the job books).
+Every accepted job is reported exactly once, and only after its bytes landed (CUDA:
+its end event completed; CPU: its copy returned, helper threads included). On CPU one
+job per lane copies at a time, outside the lock, so ``get_finished`` does not
+wait for a copy. ``wait`` on an id another thread already reported raises ValueError.
+
+Failures: a job interrupted by any exception, ``KeyboardInterrupt`` included, is
+reported ``success=False``; an ``Exception`` is logged, anything else propagates from
+the submit after the job was marked failed. A failed job has stopped writing when it
+is reported.
+
+Caches: the engine keeps raw addresses. Each registered tensor's data pointer and
+storage size are compared with their values at construction on every submit; after a
+``resize_``, ``set_`` or a freed storage the job is refused naming the plane. Groups
+may alias memory; a load whose destination pages share bytes is refused. A group with
+no layers (a pipeline stage holding none of its layers) is valid: its pairs move
+nothing and count no bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from triton_offload.planner.plan import OffloadPlan
+from triton_offload.transfer.batch_copy import find_batch_copy
+from triton_offload.transfer.copiers import (
+    Copier,
+    DmaCopier,
+    HostCopier,
+    JobHolds,
+    TritonCopier,
+    load_kernels,
+)
+from triton_offload.transfer.jobs import (
+    DIRECTION_NAMES,
+    FROM_POOL,
+    TO_POOL,
+    JobSpec,
+    PairTable,
+    pair_table,
+)
+from triton_offload.transfer.layout import (
+    CacheLayout,
+    Layer,
+    build_layout,
+    check_int,
+    check_pool_placement,
+    pool_plane_view,
+)
+from triton_offload.transfer.pool import (
+    DEFAULT_PIECE_BYTES,
+    HostPool,
+    allocate_pool,
+    cuda_api,
+    wrap_pool,
+)
+from triton_offload.transfer.selection import (
+    PATH_CHOICES,
+    Assignment,
+    Crossover,
+    CrossoverPath,
+    FixedPath,
+    PathChoice,
+    PathPolicy,
+    calibrate,
+    calibration_slice,
+    parse_crossover,
+)
+
+logger = logging.getLogger(__name__)
+
+Backend = Literal["auto", "triton", "dma", "torch"]
+_BACKENDS = ("auto", "triton", "dma", "torch")
+#: The copiers each backend builds (``"auto"`` picks among them per plane).
+_BACKEND_COPIERS = {
+    "auto": ("triton", "dma"),
+    "triton": ("triton",),
+    "dma": ("dma",),
+    "torch": ("torch",),
+}
+#: The lane of expedited loads, beside ``TO_POOL`` (stores) and ``FROM_POOL`` (loads):
+#: its own FIFO queue, stream and copy lock.
+EXPEDITED_LOAD = 2
+_LANES = (TO_POOL, FROM_POOL, EXPEDITED_LOAD)
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    """Outcome of one job: bytes moved and the device time between its start and end.
+
+    ``transfer_size`` counts every page of every plane the job addressed (bytes);
+    ``transfer_time`` is in seconds (CUDA events on CUDA, wall clock on CPU), from
+    after the job's host preparation to the end of its last copy.
+    A job that failed while running has ``success=False``.
+    """
+
+    job_id: Hashable
+    success: bool
+    transfer_size: int
+    transfer_time: float
+
+
+@dataclass
+class _Job:
+    job_id: Hashable
+    direction: int
+    assignment: Assignment
+    transfer_size: int
+    lane: int
+    success: bool = True
+    transfer_time: float = 0.0
+    start: Any = None  # torch.cuda.Event
+    end: Any = None  # torch.cuda.Event
+    holds: JobHolds = field(default_factory=JobHolds)
+    # Set once the copy returned or failed (CPU) or was enqueued (CUDA: end recorded).
+    finished: threading.Event = field(default_factory=threading.Event)
+
+    def done(self) -> bool:
+        return self.end is None or bool(self.end.query())
+
+    def result(self) -> TransferResult:
+        seconds = self.transfer_time
+        if self.success and self.start is not None and self.end is not None:
+            seconds = self.start.elapsed_time(self.end) / 1e3
+        return TransferResult(self.job_id, self.success, self.transfer_size, seconds)
+
+
+def _release(streams: list[Any], pool: HostPool) -> None:
+    for stream in streams:
+        stream.synchronize()
+    pool.close()
+
+
+def _path_name(assignment: Assignment) -> str:
+    return "+".join(name for name, _ in assignment)
+
+
+class TransferEngine:
+    """Stores and loads cache blocks; see the module docstring for the job semantics.
+
+    Every argument is checked here, with an error naming it; see the module docstring
+    for the thread-safety contract and failure semantics.
+
+    Args:
+        plan: an ``OffloadPlan`` (uses ``plan.groups`` and ``plan.blocks_per_chunk``).
+        caches: ``caches[g]`` lists group g's layers; a layer is a tensor whose dim 0
+            is the block dimension or a tuple of such tensors. A group may list no
+            layer; two planes of one group may not share bytes.
+        num_host_blocks: rows of the host pool (one chunk of one group per row); an
+            allocated pool must fit in the host's memory.
+        device: where the caches live; inferred from them when None.
+        backend: "auto", "triton", "dma" or "torch".
+        pool: optional caller-provided pool, uint8 ``[num_host_blocks, row_bytes]``
+            with contiguous rows (``stride(1) == 1``) spaced ``stride(0) >= row_bytes``
+            bytes apart (pinned when CUDA is used), on the host or the caches' GPU and
+            sharing no byte with a cache; allocated when None.
+        stream_priority: priority of the store and load streams (CUDA); the
+            expedited-load stream has the device's highest priority.
+        crossover: DMA/Triton switch for "auto" on CUDA: page bytes at or above
+            which DMA is used, as an int or ``{"store": int, "load": int}``;
+            measured at start-up when None.
+        num_programs: grid size for the Triton kernel, an int >= 1 (default: the
+            launcher's).
+        pool_piece_bytes: size of each ``cudaHostRegister`` call for the pool.
+        path_choice: for "auto": ``"plane"`` (each plane by its own best copier) or
+            ``"job"`` (one copier per job, from the job's mean page size).
+        calibration_rows: ``(k, n)``: the start-up calibration stores into and loads
+            from only the k-th of n equal, disjoint slices of the pool's rows. Engines
+            whose pools share rows (one region, replicated chunks) and calibrate at the
+            same time pass distinct k and the same n; default ``(0, 1)``: every row.
+    """
+
+    def __init__(
+        self,
+        plan: Any,
+        caches: Sequence[Sequence[Layer]],
+        num_host_blocks: int,
+        *,
+        device: torch.device | str | None = None,
+        backend: Backend = "auto",
+        pool: torch.Tensor | None = None,
+        stream_priority: int = 0,
+        crossover: int | Mapping[str, int] | None = None,
+        num_programs: int | None = None,
+        pool_piece_bytes: int = DEFAULT_PIECE_BYTES,
+        path_choice: PathChoice = "plane",
+        calibration_rows: tuple[int, int] = (0, 1),
+    ) -> None:
+        if backend not in _BACKENDS:
+            raise ValueError(f"backend {backend!r} is not one of {_BACKENDS}")
+        if path_choice not in PATH_CHOICES:
+            raise ValueError(f"path_choice {path_choice!r} is not one of {PATH_CHOICES}")
+        if isinstance(num_host_blocks, bool) or not isinstance(num_host_blocks, int):
+            raise TypeError(f"num_host_blocks must be an int, got {num_host_blocks!r}")
+        if num_host_blocks < 1:
+            raise ValueError(f"num_host_blocks {num_host_blocks} must be >= 1")
+        if num_programs is not None:
+            # Checked on every backend: 0 or -3 launched an empty grid on the kernel path
+            # (every job "succeeded", nothing moved) and "4" failed every job later.
+            num_programs = check_int("num_programs", num_programs, 1)
+        #: Pool rows the calibration may overwrite (see ``calibration_rows``).
+        self.calibration_rows: range = calibration_slice(calibration_rows, num_host_blocks)
+        if not isinstance(plan, OffloadPlan):
+            raise TypeError(
+                f"plan must be an OffloadPlan (from plan_offload), got {type(plan).__name__} "
+                f"{plan!r:.60}"
+            )
+        configured_crossover = parse_crossover(crossover)
+        num_groups = len(plan.groups)
+        self.plan = plan
+        self.blocks_per_chunk: int = int(plan.blocks_per_chunk)
+        self.layout: CacheLayout = build_layout(
+            caches, num_groups=num_groups, blocks_per_chunk=self.blocks_per_chunk
+        )
+        cache_device = self.layout.device
+        if device is None:
+            device = cache_device
+        device = torch.device(device)
+        if device.type != cache_device.type or (
+            device.index is not None
+            and cache_device.index is not None
+            and device.index != cache_device.index
+        ):
+            raise ValueError(
+                f"caches are on {cache_device} but device is {device}; the caches must "
+                "live on the engine's device"
+            )
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device {device} is not supported (cpu or cuda)")
+        self.device = cache_device
+        self.cuda = device.type == "cuda"
+        self.num_host_blocks = num_host_blocks
+        self.num_groups = num_groups
+        self.row_bytes: int = self.layout.row_bytes
+        self.num_programs = num_programs
+
+        if not self.cuda and backend == "dma":
+            raise ValueError("backend 'dma' needs CUDA caches; the caches are on the CPU")
+        if self.cuda and backend == "torch":
+            raise ValueError(
+                "backend 'torch' is the CPU path; the caches are on CUDA (use 'auto', "
+                "'triton' or 'dma')"
+            )
+        if backend == "auto":
+            backend = "auto" if self.cuda else "torch"
+        self.backend: str = backend
+        if "triton" in _BACKEND_COPIERS[backend]:
+            # Checked before the pool is allocated: a refused backend costs nothing.
+            load_kernels(backend, self.cuda)
+
+        # Registration and device pointers refer to the current device's context.
+        with torch.cuda.device(self.device) if self.cuda else contextlib.nullcontext():
+            if pool is None:
+                self._pool: HostPool = allocate_pool(
+                    num_host_blocks, self.row_bytes, pinned=self.cuda, piece_bytes=pool_piece_bytes
+                )
+            else:
+                self._pool = wrap_pool(
+                    pool, rows=num_host_blocks, row_bytes=self.row_bytes, cuda=self.cuda
+                )
+                check_pool_placement(self._pool.tensor, self.layout)
+        self.pool: torch.Tensor = self._pool.tensor
+        self.pool_address: int = self._pool.device_address
+        #: Bytes between pool rows: the pool tensor's stride(0), >= row_bytes.
+        self.row_stride: int = self._pool.row_stride
+
+        # Bytes per block pair, per group: the job size is O(groups) to compute
+        # whatever the number of layers.
+        self._bytes_per_block = self.layout.bytes_per_block
+
+        self._active: dict[Hashable, _Job] = {}
+        self._queues: dict[int, deque[_Job]] = {lane: deque() for lane in _LANES}
+        self._finished: deque[_Job] = deque()  # CPU: completed, in completion order
+        self._closed = False
+        # Guards the job books (_active, _queues, _finished, _closed) and, on CUDA, the
+        # enqueue of a job together with its place in the FIFO queue. Reentrant: the
+        # calibration submits jobs through _submit.
+        self._lock = threading.RLock()
+        # CPU: one job per lane copies at a time (the CUDA streams' FIFO order);
+        # copies run outside _lock so that get_finished never waits for a copy.
+        self._copy_locks = {lane: threading.Lock() for lane in _LANES}
+        self.last_job_table: PairTable | None = None
+        self.last_job_backend: str | None = None
+        self.last_job_assignment: Assignment | None = None
+
+        self._streams: dict[int, Any] = {}
+        if self.cuda:
+            self._streams = {
+                direction: torch.cuda.Stream(device=self.device, priority=stream_priority)
+                for direction in (TO_POOL, FROM_POOL)
+            }
+            # A lower number is a higher priority; (lowest, highest) of this device.
+            _, highest = torch.cuda.Stream.priority_range()
+            self._streams[EXPEDITED_LOAD] = torch.cuda.Stream(device=self.device, priority=highest)
+        self.copiers: dict[str, Copier] = {
+            name: self._make_copier(name) for name in _BACKEND_COPIERS[backend]
+        }
+        triton = self.copiers.get("triton")
+        if self.cuda and isinstance(triton, TritonCopier):
+            # Compile now: the first job would otherwise wait ~1 s for it mid-serving.
+            # On the current stream, after the table uploads it reads.
+            with torch.cuda.device(self.device):
+                triton.warm_up()
+        self.crossover: Crossover | None = None
+        self.policy: PathPolicy
+        if backend == "auto":
+            self.crossover = configured_crossover
+            if self.crossover is None:
+                # Calibration runs real jobs; until it has a result every job takes
+                # the path its forced assignment names.
+                self.policy = FixedPath("triton")
+                with torch.cuda.device(self.device):
+                    self.crossover = calibrate(self)
+            self.policy = CrossoverPath(self.layout, self.crossover, path_choice)
+        else:
+            self.policy = FixedPath(backend)
+        if self.cuda:
+            # The static tables were uploaded on the current stream; jobs run on the
+            # transfer streams and may be submitted from any stream.
+            torch.cuda.synchronize(self.device)
+        # An engine dropped without shutdown() still drains its streams before the
+        # pool's pages are unlocked.
+        self._finalizer = weakref.finalize(self, _release, list(self._streams.values()), self._pool)
+
+    # ------------------------------------------------------------------ set-up
+
+    def _make_copier(self, name: str) -> Copier:
+        layout, address, stride = self.layout, self.pool_address, self.row_stride
+        if name == "torch":
+            return HostCopier(layout, address, stride)
+        if name == "dma":
+            batch, why = find_batch_copy()
+            return DmaCopier(layout, address, stride, cuda_api(), batch, fallback_reason=why)
+        with torch.cuda.device(self.device) if self.cuda else contextlib.nullcontext():
+            return TritonCopier(
+                layout,
+                address,
+                stride,
+                device=self.device,
+                cuda=self.cuda,
+                num_programs=self.num_programs,
+            )
+
+    # --------------------------------------------------------------- job table
+
+    def build_job_table(self, spec: JobSpec, direction: int) -> PairTable:
+        """Validate a job and return its ``(pairs [n, 3], group_offsets [G + 1])`` int64.
+
+        Raises ValueError/TypeError naming the bad value; nothing is copied.
+        """
+        return pair_table(self.layout, self.num_host_blocks, spec, direction)
+
+    # ------------------------------------------------------------------ submit
+
+    def submit_store(
+        self,
+        job_id: Hashable,
+        spec: JobSpec | None = None,
+        *,
+        gpu_blocks: Sequence[Any] | None = None,
+        host_blocks: Sequence[Any] | None = None,
+        first_block_index: Sequence[int] | None = None,
+    ) -> bool:
+        """Copy GPU blocks into host rows; returns False once the engine is shut down.
+
+        The job is a ``JobSpec`` or the keyword lists ``gpu_blocks=``, ``host_blocks=``
+        (and optionally ``first_block_index=``), one entry per group.
+        """
+        spec = JobSpec.of(
+            spec,
+            gpu_blocks=gpu_blocks,
+            host_blocks=host_blocks,
+            first_block_index=first_block_index,
+        )
+        return self._submit(job_id, spec, TO_POOL)
+
+    def submit_load(
+        self,
+        job_id: Hashable,
+        spec: JobSpec | None = None,
+        *,
+        gpu_blocks: Sequence[Any] | None = None,
+        host_blocks: Sequence[Any] | None = None,
+        first_block_index: Sequence[int] | None = None,
+        expedited: bool = False,
+    ) -> bool:
+        """Copy host rows into GPU blocks; returns False once the engine is shut down.
+
+        The job as for :meth:`submit_store`. ``expedited=True``: a load the caller will
+        wait on soon; it runs in its own lane (CUDA: its own FIFO queue on a stream of
+        the highest priority), so it never queues behind regular loads. Like every job
+        it still waits for what the caller's stream enqueued before the submit, and it
+        is reported once by ``get_finished``. Lanes are not ordered with each other: a
+        regular load and an expedited one must not write the same GPU blocks unless
+        the caller waits for the first (as for a store and a load of one host row).
+        """
+        if not isinstance(expedited, bool):
+            raise TypeError(f"expedited must be a bool, got {expedited!r}")
+        spec = JobSpec.of(
+            spec,
+            gpu_blocks=gpu_blocks,
+            host_blocks=host_blocks,
+            first_block_index=first_block_index,
+        )
+        return self._submit(job_id, spec, FROM_POOL, lane=EXPEDITED_LOAD if expedited else None)
+
+    def _submit(
+        self,
+        job_id: Hashable,
+        spec: JobSpec,
+        direction: int,
+        assignment: Assignment | None = None,
+        *,
+        lane: int | None = None,
+    ) -> bool:
+        if self._closed:
+            return False
+        try:
+            hash(job_id)
+        except TypeError:
+            raise ValueError(f"job id {job_id!r} is not hashable") from None
+        # A reallocated cache would be read or written through stale addresses.
+        self.layout.check_sources()
+        table = self.build_job_table(spec, direction)
+        counts = [blocks.size for blocks in spec.gpu_blocks]
+        size = sum(c * b for c, b in zip(counts, self._bytes_per_block, strict=True))
+        if assignment is None:
+            assignment = self.policy.assign(direction, counts)
+        job = _Job(job_id, direction, assignment, size, direction if lane is None else lane)
+        with self._lock:
+            if self._closed:
+                return False
+            if job_id in self._active:
+                raise ValueError(f"job id {job_id!r} is already in flight")
+            self._active[job_id] = job
+            self.last_job_table = table
+            self.last_job_assignment = assignment
+            self.last_job_backend = _path_name(assignment)
+            if self.cuda:
+                self._queues[job.lane].append(job)
+                self._run_cuda(job, table)
+                return True
+        self._run_cpu(job, table)
+        return True
+
+    def _prepare(self, job: _Job, table: PairTable, stream: Any) -> list[Callable[[], None]]:
+        return [
+            self.copiers[name].prepare(table, job.direction, planes, job.holds, stream)
+            for name, planes in job.assignment
+        ]
+
+    def _run_cpu(self, job: _Job, table: PairTable) -> None:
+        """Copy now; the job is reported (queued for get_finished) only after its copy
+        returned or failed, and a copy interrupted by any exception, KeyboardInterrupt
+        included, is reported ``success=False`` before the exception propagates."""
+        try:
+            with self._copy_locks[job.lane]:
+                runs = self._prepare(job, table, None)
+                start = time.perf_counter()
+                for run in runs:
+                    run()
+                job.transfer_time = time.perf_counter() - start
+        except BaseException as error:
+            job.success = False
+            if isinstance(error, Exception):
+                logger.exception("%s job %r failed", DIRECTION_NAMES[job.direction], job.job_id)
+            else:
+                raise
+        finally:
+            # The copy returned: nothing reads the job's staging any more.
+            job.holds.release_after(None)
+            with self._lock:
+                self._finished.append(job)
+            job.finished.set()
+
+    def _run_cuda(self, job: _Job, table: PairTable) -> None:
+        stream = self._streams[job.lane]
+        # RAW for stores, WAR for loads: wait for everything the caller's stream
+        # enqueued before this submit.
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        job.start = torch.cuda.Event(enable_timing=True)
+        job.end = torch.cuda.Event(enable_timing=True)
+        try:
+            with torch.cuda.device(self.device), torch.cuda.stream(stream):
+                # Table uploads read no cache byte: enqueued before the wait, they
+                # overlap compute instead of following it.
+                runs = self._prepare(job, table, stream)
+                stream.wait_event(ready)
+                # After the host work, the table upload and the wait: the timed span is
+                # the copy.
+                job.start.record(stream)
+                for run in runs:
+                    run()
+                job.end.record(stream)
+        except BaseException as error:
+            job.success = False
+            # Whatever was enqueued still runs; the job counts as finished after it.
+            job.end.record(stream)
+            if isinstance(error, Exception):
+                logger.exception("%s job %r failed", DIRECTION_NAMES[job.direction], job.job_id)
+            else:
+                raise
+        finally:
+            job.holds.release_after(job.end)
+            job.finished.set()
+
+    def _run_now(self, spec: JobSpec, direction: int, assignment: Assignment) -> TransferResult:
+        """Run one job with a forced assignment and wait for it (calibration); not reported."""
+        job_id = ("calibration", object())
+        self._submit(job_id, spec, direction, assignment)
+        with self._lock:
+            job = self._active.pop(job_id)
+            if self.cuda:
+                self._queues[job.lane].remove(job)
+            else:
+                self._finished.remove(job)
+        if self.cuda:
+            job.end.synchronize()
+        job.holds.keep_alive.clear()
+        result = job.result()
+        if not result.success:
+            raise RuntimeError(f"calibration {DIRECTION_NAMES[direction]} job failed")
+        return result
+
+    # ------------------------------------------------------------------ finish
+
+    def get_finished(self) -> list[TransferResult]:
+        """Results of jobs finished since the last call, FIFO per lane; never blocks.
+
+        Each accepted job is reported exactly once, and only after its bytes landed
+        (CUDA: its end event completed; CPU: its copy returned).
+        """
+        done: list[_Job] = []
+        with self._lock:
+            if self.cuda:
+                for queue in self._queues.values():
+                    while queue and queue[0].done():
+                        done.append(queue.popleft())
+            else:
+                done.extend(self._finished)
+                self._finished.clear()
+            for job in done:
+                del self._active[job.job_id]
+        results = []
+        for job in done:
+            job.holds.keep_alive.clear()
+            results.append(job.result())
+        return results
+
+    def wait(self, job_ids: Iterable[Hashable]) -> None:
+        """Block until the given jobs finished (their results stay for get_finished).
+
+        ValueError for an id that is not in flight (unknown, or already reported: with
+        another thread polling ``get_finished`` that can happen at any time).
+        """
+        ids = list(job_ids)
+        with self._lock:
+            jobs = []
+            for job_id in ids:
+                job = self._active.get(job_id)
+                if job is None:
+                    raise ValueError(f"job id {job_id!r} is unknown or already reported")
+                jobs.append(job)
+        for job in jobs:
+            job.finished.wait()
+            if job.end is not None:
+                job.end.synchronize()
+
+    def shutdown(self) -> None:
+        """Wait for running jobs, then release the pool's page locks; idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        # No copy may still run when the pool is released (CPU copies hold these).
+        with contextlib.ExitStack() as held:
+            for lock in self._copy_locks.values():
+                held.enter_context(lock)
+            self._finalizer()
+
+    def __enter__(self) -> TransferEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # ------------------------------------------------------------------- views
+
+    def pool_view(self, plane_index: int) -> torch.Tensor:
+        """uint8 ``[num_host_blocks, blocks_per_chunk, page_bytes]`` view of one plane."""
+        return pool_plane_view(self.pool, self.layout.planes[plane_index], self.blocks_per_chunk)
+
+    @property
+    def last_job_table_size(self) -> int:
+        """Rows of the pair table of the last accepted job (one per block pair)."""
+        return 0 if self.last_job_table is None else int(self.last_job_table.pairs.shape[0])
+
+
+__all__ = [
+    "EXPEDITED_LOAD",
+    "Crossover",
+    "DmaCopier",
+    "JobSpec",
+    "TransferEngine",
+    "TransferResult",
+    "calibrate",
+    "parse_crossover",
+]

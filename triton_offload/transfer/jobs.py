@@ -1,0 +1,538 @@
+"""Jobs: what to copy (``JobSpec``) and its validated pair table.
+
+A job names, per cache group ``g``, GPU block ids ``B_g``, host rows (chunk ids)
+``H_g`` and the logical index ``s_g`` of ``B_g[0]`` in its request. The k-th GPU block
+sits at position ``p = (s_g mod bpc) + k``: host row ``H_g[p // bpc]``, slot
+``p mod bpc`` (``bpc`` = blocks per chunk). Host bytes outside the addressed slots stay
+untouched.
+
+:func:`pair_table` turns a spec into the int64 ``(gpu_block, pool_row, slot)`` pair
+table every copier reads (one row per block pair, whatever the number of layers) and
+checks it completely, vectorized, before any byte moves: ids in range, enough host
+rows, and no two pairs of a job writing the same destination bytes (also across groups
+that alias cache memory or share pool-row bytes).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from triton_offload.transfer.layout import CacheLayout, pages_meet
+
+_INT64_MAX = (1 << 63) - 1
+_BOOL_TYPES = frozenset((bool, np.bool_))
+
+
+class Direction(enum.IntEnum):
+    """Which way a job copies. A device-resident pool makes it a device -> device copy."""
+
+    TO_POOL = 0  # store: cache planes -> pool rows
+    FROM_POOL = 1  # load: pool rows -> cache planes
+
+
+TO_POOL = Direction.TO_POOL
+FROM_POOL = Direction.FROM_POOL
+DIRECTION_NAMES = {TO_POOL: "store", FROM_POOL: "load"}
+
+
+def _ids(values: Any, what: str, kind: str, group: int) -> np.ndarray:
+    """A read-only 1-d int64 array of non-negative ids; ValueError/TypeError naming ``what``."""
+    if isinstance(values, (str, bytes)) or values is None:
+        raise TypeError(f"{what} must be a sequence of integer ids, got {values!r}")
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().numpy()
+    elif isinstance(values, (list, tuple)) and not _BOOL_TYPES.isdisjoint(map(type, values)):
+        # np.asarray([True, 7]) is the int array [1, 7]: True would name block 1.
+        index = next(i for i, v in enumerate(values) if type(v) in _BOOL_TYPES)
+        raise TypeError(
+            f"{what} must hold integer ids, got bool {values[index]!r} at index {index}"
+        )
+    fresh = not isinstance(values, np.ndarray)  # a list becomes a new array: no copy needed
+    array = np.asarray(values)
+    if array.size == 0:
+        array = np.zeros(0, dtype=np.int64)
+    elif array.ndim != 1:
+        raise ValueError(f"{what} must be a 1-d sequence of ids, got shape {array.shape}")
+    elif array.dtype != np.int64:
+        if array.dtype.kind not in "iu" or array.dtype == np.bool_:
+            raise TypeError(f"{what} must hold integer ids, got {array.dtype}: {array[:8]!r}")
+        if array.dtype.kind == "u" and int(array.max()) > _INT64_MAX:
+            raise ValueError(f"{what}: id {int(array.max())} out of range")
+        array = array.astype(np.int64)
+    elif not fresh:
+        array = array.copy()  # a private copy: the spec is immutable
+    if array.size and array.min() < 0:
+        bad = int(array[np.argmax(array < 0)])
+        raise ValueError(f"{kind} id {bad} of group {group} is negative ({what})")
+    array.setflags(write=False)
+    return array
+
+
+def _per_group(values: Any, what: str) -> Sequence[Any]:
+    if isinstance(values, (str, bytes, torch.Tensor)) or not isinstance(
+        values, (Sequence, np.ndarray)
+    ):
+        raise TypeError(f"{what} must be a sequence with one entry per group, got {values!r:.80}")
+    return values
+
+
+@dataclass(frozen=True, eq=False)
+class JobSpec:
+    """One job: per group, GPU block ids, host rows and the first block's logical index.
+
+    ``gpu_blocks[g]`` / ``host_blocks[g]`` are read-only int64 arrays (any integer
+    sequence, numpy array or tensor is accepted and copied); ``first_block_index[g]``
+    (default 0) places ``gpu_blocks[g][0]`` at slot ``first_block_index[g] % bpc`` of
+    ``host_blocks[g][0]``. Construction checks what needs no cache geometry: one entry
+    per group in each list, integer non-negative ids and indices (TypeError/ValueError
+    naming the group and value). Ranges and the number of host rows are checked against
+    the engine's layout by :func:`pair_table`.
+    """
+
+    gpu_blocks: tuple[np.ndarray, ...]
+    host_blocks: tuple[np.ndarray, ...]
+    first_block_index: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        gpu = _per_group(self.gpu_blocks, "gpu_blocks")
+        host = _per_group(self.host_blocks, "host_blocks")
+        if len(gpu) != len(host):
+            raise ValueError(f"gpu_blocks has {len(gpu)} groups but host_blocks has {len(host)}")
+        first: Sequence[Any]
+        if self.first_block_index is None:
+            first = [0] * len(gpu)
+        else:
+            first = _per_group(self.first_block_index, "first_block_index")
+            if len(first) != len(gpu):
+                raise ValueError(
+                    f"first_block_index has {len(first)} groups but gpu_blocks has {len(gpu)}"
+                )
+        indices = []
+        for group, value in enumerate(first):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise TypeError(f"first_block_index[{group}] {value!r} is not an int")
+            if value < 0:
+                raise ValueError(f"first_block_index[{group}] {value} is negative")
+            indices.append(int(value))
+        object.__setattr__(
+            self,
+            "gpu_blocks",
+            tuple(_ids(v, f"gpu_blocks[{g}]", "GPU block", g) for g, v in enumerate(gpu)),
+        )
+        object.__setattr__(
+            self,
+            "host_blocks",
+            tuple(_ids(v, f"host_blocks[{g}]", "host block", g) for g, v in enumerate(host)),
+        )
+        object.__setattr__(self, "first_block_index", tuple(indices))
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.gpu_blocks)
+
+    @property
+    def num_pairs(self) -> int:
+        """GPU blocks of the job over all groups (one pair-table row each)."""
+        return sum(blocks.size for blocks in self.gpu_blocks)
+
+    @classmethod
+    def from_groups(cls, groups: Iterable[tuple[Any, Any, int]]) -> JobSpec:
+        """A spec from one ``(gpu_blocks, host_blocks, first_block_index)`` per group."""
+        parts = list(groups)
+        return cls(
+            [part[0] for part in parts], [part[1] for part in parts], [part[2] for part in parts]
+        )
+
+    @classmethod
+    def of(
+        cls,
+        spec: JobSpec | None,
+        *,
+        gpu_blocks: Any = None,
+        host_blocks: Any = None,
+        first_block_index: Any = None,
+    ) -> JobSpec:
+        """``spec`` itself, or a spec from the keyword lists (exactly one of the two).
+
+        The entry point of ``submit_store``/``submit_load``: a positional list where a
+        spec belongs is refused, so the two block lists cannot be swapped by position.
+        """
+        lists = (gpu_blocks, host_blocks, first_block_index)
+        if spec is not None:
+            if not isinstance(spec, JobSpec):
+                raise TypeError(
+                    f"the job must be a JobSpec or given as gpu_blocks=/host_blocks= "
+                    f"keywords, got {type(spec).__name__} {spec!r:.60}"
+                )
+            if any(value is not None for value in lists):
+                raise TypeError("give either a JobSpec or gpu_blocks=/host_blocks=, not both")
+            return spec
+        if gpu_blocks is None or host_blocks is None:
+            raise TypeError("a job needs gpu_blocks= and host_blocks= (or a JobSpec)")
+        return cls(gpu_blocks, host_blocks, first_block_index)
+
+
+class PairTable(NamedTuple):
+    """A validated job: int64 ``pairs [n, 3]`` (gpu_block, pool_row, slot) ordered by
+    group, and ``offsets [num_groups + 1]`` (pairs of group g: ``offsets[g]:offsets[g+1]``)."""
+
+    pairs: np.ndarray
+    offsets: np.ndarray
+
+
+#: Jobs of at most this many block pairs are built and checked with Python ints: below
+#: it numpy's fixed cost per call (~1 us, some 40 calls per job) outweighs the per-pair
+#: work. ``bench/suites/bench_small_jobs.py`` measures the job path against a per-page loop.
+SMALL_JOB_PAIRS = 64
+
+
+def pair_table(
+    layout: CacheLayout, pool_rows: int, spec: JobSpec, direction: Direction | int
+) -> PairTable:
+    """The job's pair table, fully validated; ValueError naming the bad value, nothing copied.
+
+    Checks the ids against the layout (GPU blocks per group, ``pool_rows`` host rows),
+    that the host rows cover the blocks, and that no two pairs write the same
+    destination page (also across groups aliasing cache memory or sharing pool-row
+    bytes).
+    """
+    if not isinstance(spec, JobSpec):
+        raise TypeError(f"spec must be a JobSpec, got {type(spec).__name__}")
+    if spec.num_groups != layout.num_groups:
+        raise ValueError(
+            f"the job has {spec.num_groups} groups but the engine has {layout.num_groups}"
+        )
+    try:
+        direction = Direction(direction)
+    except ValueError:
+        raise ValueError(f"direction {direction!r} is not a Direction") from None
+    if spec.num_pairs <= SMALL_JOB_PAIRS:
+        return _small_pair_table(layout, pool_rows, spec, direction)
+    bpc = layout.blocks_per_chunk
+    assert spec.first_block_index is not None
+    counts = np.array([blocks.size for blocks in spec.gpu_blocks], dtype=np.int64)
+    offsets = np.zeros(layout.num_groups + 1, dtype=np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    pairs = np.empty((int(offsets[-1]), 3), dtype=np.int64)
+    for group, (blocks, hosts, first) in enumerate(
+        zip(spec.gpu_blocks, spec.host_blocks, spec.first_block_index, strict=True)
+    ):
+        limit = layout.group_num_blocks[group]
+        if blocks.size and int(blocks.max()) >= limit:
+            bad = int(blocks[np.argmax(blocks >= limit)])
+            raise ValueError(_block_out_of_range(bad, group, limit))
+        if hosts.size and int(hosts.max()) >= pool_rows:
+            bad = int(hosts[np.argmax(hosts >= pool_rows)])
+            raise ValueError(_host_out_of_range(bad, group, pool_rows))
+        if not blocks.size:
+            continue
+        positions = (first % bpc) + np.arange(blocks.size, dtype=np.int64)
+        if positions[-1] // bpc >= hosts.size:
+            raise ValueError(_too_few_hosts(group, blocks.size, first % bpc, bpc, hosts.size))
+        rows = pairs[offsets[group] : offsets[group + 1]]
+        rows[:, 0] = blocks
+        rows[:, 1] = hosts[positions // bpc]
+        rows[:, 2] = positions % bpc
+    # Ranges hold by construction; what is left is two pairs writing one page.
+    if pairs.shape[0]:
+        groups = np.repeat(np.arange(layout.num_groups, dtype=np.int64), counts)
+        _check_destinations(layout, pool_rows, pairs, groups, offsets, direction)
+    return PairTable(pairs, offsets)
+
+
+def _block_out_of_range(bad: int, group: int, limit: int) -> str:
+    return f"GPU block id {bad} of group {group} out of range [0, {limit})"
+
+
+def _host_out_of_range(bad: int, group: int, limit: int) -> str:
+    return f"host block id {bad} of group {group} out of range [0, {limit})"
+
+
+def _too_few_hosts(group: int, count: int, slot: int, bpc: int, hosts: int) -> str:
+    needed = (slot + count - 1) // bpc + 1
+    return (
+        f"group {group}: {count} GPU blocks starting at slot {slot} need {needed} host "
+        f"chunks of {bpc} blocks, but {hosts} host blocks were given"
+    )
+
+
+def _small_pair_table(
+    layout: CacheLayout, pool_rows: int, spec: JobSpec, direction: Direction
+) -> PairTable:
+    """:func:`pair_table` with Python ints: the same table, checks and messages."""
+    bpc = layout.blocks_per_chunk
+    assert spec.first_block_index is not None
+    rows: list[tuple[int, int, int]] = []
+    offsets = [0]
+    groups: list[int] = []
+    for group, (block_array, host_array, first) in enumerate(
+        zip(spec.gpu_blocks, spec.host_blocks, spec.first_block_index, strict=True)
+    ):
+        blocks, hosts = block_array.tolist(), host_array.tolist()
+        limit = layout.group_num_blocks[group]
+        if blocks and max(blocks) >= limit:
+            raise ValueError(
+                _block_out_of_range(next(b for b in blocks if b >= limit), group, limit)
+            )
+        if hosts and max(hosts) >= pool_rows:
+            bad = next(h for h in hosts if h >= pool_rows)
+            raise ValueError(_host_out_of_range(bad, group, pool_rows))
+        slot = first % bpc
+        if blocks and (slot + len(blocks) - 1) // bpc >= len(hosts):
+            raise ValueError(_too_few_hosts(group, len(blocks), slot, bpc, len(hosts)))
+        for k, block in enumerate(blocks):
+            position = slot + k
+            rows.append((block, hosts[position // bpc], position % bpc))
+        groups += [group] * len(blocks)
+        offsets.append(len(rows))
+    if direction == Direction.TO_POOL:
+        seen: dict[tuple[int, int, int], int] = {}
+        for j, (row, group) in enumerate(zip(rows, groups, strict=True)):
+            i = seen.setdefault((group, row[1], row[2]), j)
+            if i != j:
+                raise ValueError(_pool_clash(i, j, row[1], row[2], group))
+    else:
+        seen_blocks: dict[tuple[int, int], int] = {}
+        for j, (row, group) in enumerate(zip(rows, groups, strict=True)):
+            i = seen_blocks.setdefault((group, row[0]), j)
+            if i != j:
+                raise ValueError(_cache_clash(i, j, row[0], group))
+        pairs = np.array(rows, dtype=np.int64).reshape(-1, 3)
+        offset_array = np.array(offsets, dtype=np.int64)
+        # Groups aliasing cache memory meet by byte range, not by equal block ids.
+        _check_cache_aliasing(layout, pairs, offset_array)
+        return PairTable(pairs, offset_array)
+    shared, column, what = layout.pool_shared_groups, 1, "pool row"
+    if shared:
+        writers: dict[int, set[int]] = {}
+        for row, group in zip(rows, groups, strict=True):
+            writers.setdefault(row[column], set()).add(group)
+        for ident in sorted(writers):
+            for g, h in shared:  # sorted pairs: the message names the lowest clash
+                if g in writers[ident] and h in writers[ident]:
+                    raise ValueError(_shared_clash(what, ident, g, h))
+    pairs = np.array(rows, dtype=np.int64).reshape(-1, 3)
+    return PairTable(pairs, np.array(offsets, dtype=np.int64))
+
+
+def _pool_clash(i: int, j: int, row: int, slot: int, group: int) -> str:
+    return f"pairs {i} and {j} both write pool row {row} slot {slot} (group {group})"
+
+
+def _cache_clash(i: int, j: int, block: int, group: int) -> str:
+    return f"pairs {i} and {j} both write GPU block id {block} (group {group})"
+
+
+def _shared_clash(what: str, ident: int, g: int, h: int) -> str:
+    return f"{what} {ident} is written by groups {g} and {h}, whose planes share those bytes"
+
+
+def _host_int64(name: str, table: Any) -> np.ndarray:
+    if isinstance(table, torch.Tensor):
+        if table.dtype.is_floating_point or table.dtype.is_complex or table.dtype == torch.bool:
+            raise TypeError(f"{name} must hold integers, got {table.dtype}")
+        return table.detach().cpu().numpy().astype(np.int64, copy=False)
+    array = np.asarray(table)
+    if array.size and not np.issubdtype(array.dtype, np.integer):
+        raise TypeError(f"{name} must hold integers, got {array.dtype}")
+    return array.astype(np.int64, copy=False)
+
+
+def _first_duplicate(
+    major: np.ndarray, minor: np.ndarray, minor_limit: int
+) -> tuple[int, int] | None:
+    """Indices (earlier, later) of the first pair whose (major, minor) key repeats, or None.
+
+    Keys are packed into one int64 (``minor`` is in ``[0, minor_limit)``) so that the
+    common case, no repeat, costs one sort.
+    """
+    if int(major.max()) >= _INT64_MAX // max(minor_limit, 1):
+        raise ValueError(f"ids too large to check for repeats: {int(major.max())}")
+    keys = major * minor_limit + minor
+    if not np.any(np.diff(np.sort(keys)) == 0):
+        return None
+    order = np.argsort(keys, kind="stable")
+    repeated = np.flatnonzero(keys[order][1:] == keys[order][:-1])
+    seconds = order[repeated + 1]
+    k = int(np.argmin(seconds))
+    return int(order[repeated[k]]), int(seconds[k])
+
+
+def _check_cache_aliasing(layout: CacheLayout, table: np.ndarray, offsets: np.ndarray) -> None:
+    """ValueError if two groups of a load write the same cache bytes, by byte range.
+
+    Hybrid allocators let groups alias one tensor, also with another block size or a
+    shifted view (``x`` and ``x[1:]``): equal block ids are neither needed nor enough for
+    a clash. Each plane pair that shares bytes (``layout.alias_rules``) is checked on the
+    job's blocks only: with equal block strides by the block offsets that meet (a set
+    lookup), otherwise by sorting one side's pages (``pages_meet``).
+    """
+    for rule in layout.alias_rules:
+        lo_a, hi_a = int(offsets[rule.group_a]), int(offsets[rule.group_a + 1])
+        lo_b, hi_b = int(offsets[rule.group_b]), int(offsets[rule.group_b + 1])
+        if lo_a == hi_a or lo_b == hi_b:
+            continue
+        a_blocks, b_blocks = table[lo_a:hi_a, 0], table[lo_b:hi_b, 0]
+        plane_a, plane_b = layout.planes[rule.plane_a], layout.planes[rule.plane_b]
+        found = -1
+        if rule.offsets is not None:
+            # Sorted b and one searchsorted per offset: a few us where np.isin costs tens.
+            b_sorted = np.sort(b_blocks)
+            for shift in range(rule.offsets[0], rule.offsets[1] + 1):
+                wanted = a_blocks + shift
+                at = np.minimum(np.searchsorted(b_sorted, wanted), b_sorted.size - 1)
+                hit = b_sorted[at] == wanted
+                if hit.any():
+                    found = int(np.argmax(hit))
+                    other = int(a_blocks[found]) + shift
+                    break
+        else:
+            found = pages_meet(plane_a, a_blocks, plane_b, b_blocks)
+            if found >= 0:
+                start = plane_a.base_address + int(a_blocks[found]) * plane_a.block_stride
+                end = start + plane_a.page_bytes
+                b_starts = plane_b.base_address + b_blocks * plane_b.block_stride
+                meets = (b_starts < end) & (b_starts + plane_b.page_bytes > start)
+                other = int(b_blocks[np.argmax(meets)])
+        if found < 0:
+            continue
+        block = int(a_blocks[found])
+        where = f"({plane_a.name} and {plane_b.name})"
+        if block == other:
+            raise ValueError(
+                f"GPU block id {block} is written by groups {rule.group_a} and "
+                f"{rule.group_b}, whose planes share those bytes {where}"
+            )
+        raise ValueError(
+            f"GPU block id {block} of group {rule.group_a} and GPU block id {other} of group "
+            f"{rule.group_b} write the same bytes {where}"
+        )
+
+
+def validate_pairs(
+    layout: CacheLayout,
+    pool_rows: int,
+    pairs: Any,
+    group_offsets: Any,
+    direction: Direction | int,
+) -> None:
+    """Check a job's pair table on the host (vectorized); ValueError naming the bad value.
+
+    ``pairs``: ``[n, 3]`` (gpu_block_id, pool_row, slot), ``group_offsets``:
+    ``[num_groups + 1]``; CPU tensors or numpy arrays (device tensors are copied, which
+    synchronises). Rejects negative or out-of-range ids, rows (``pool_rows``) and slots,
+    inconsistent group offsets, and two pairs of the job writing the same destination page.
+    """
+    try:
+        direction = Direction(direction)
+    except ValueError:
+        raise ValueError(f"direction {direction!r} is not a Direction") from None
+    table = _host_int64("pairs", pairs)
+    offsets = _host_int64("group_offsets", group_offsets)
+    if table.ndim != 2 or table.shape[1] != 3:
+        raise ValueError(f"pairs must have shape [n, 3], got {tuple(table.shape)}")
+    if offsets.shape != (layout.num_groups + 1,):
+        raise ValueError(
+            f"group_offsets must have shape [{layout.num_groups + 1}] (num_groups + 1), got "
+            f"{tuple(offsets.shape)}"
+        )
+    num_pairs = table.shape[0]
+    if offsets[0] != 0:
+        raise ValueError(f"group_offsets[0] is {offsets[0]}, must be 0")
+    steps = np.diff(offsets)
+    if np.any(steps < 0):
+        g = int(np.flatnonzero(steps < 0)[0])
+        raise ValueError(f"group_offsets decrease at group {g}: {offsets[g]} then {offsets[g + 1]}")
+    if offsets[-1] != num_pairs:
+        raise ValueError(
+            f"group_offsets[-1] is {offsets[-1]} but pairs has {num_pairs} rows: table "
+            "lengths do not match"
+        )
+    if num_pairs == 0:
+        return
+    groups = np.repeat(np.arange(layout.num_groups, dtype=np.int64), steps)
+    names = ("GPU block id", "pool row", "slot")
+    limits = (
+        np.asarray(layout.group_num_blocks, dtype=np.int64)[groups],
+        np.full(num_pairs, pool_rows, dtype=np.int64),
+        np.full(num_pairs, layout.blocks_per_chunk, dtype=np.int64),
+    )
+    for column, (name, limit) in enumerate(zip(names, limits, strict=True)):
+        values = table[:, column]
+        bad = np.flatnonzero((values < 0) | (values >= limit))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(
+                f"{name} {values[i]} at pair {i} (group {groups[i]}) out of range [0, {limit[i]})"
+            )
+
+    _check_destinations(layout, pool_rows, table, groups, offsets, direction)
+
+
+def _check_destinations(
+    layout: CacheLayout,
+    pool_rows: int,
+    table: np.ndarray,
+    groups: np.ndarray,
+    offsets: np.ndarray,
+    direction: Direction,
+) -> None:
+    """ValueError when two pairs write one destination page (vectorized, O(n log n))."""
+    if direction == Direction.TO_POOL:
+        # Destination page = (group, row, slot); groups whose planes share row bytes also
+        # clash on the same row whatever the slot.
+        bpc = layout.blocks_per_chunk
+        clash = _first_duplicate(groups, table[:, 1] * bpc + table[:, 2], pool_rows * bpc)
+        if clash is not None:
+            i, j = clash
+            raise ValueError(_pool_clash(i, j, table[j, 1], table[j, 2], groups[j]))
+    else:
+        clash = _first_duplicate(groups, table[:, 0], int(table[:, 0].max()) + 1)
+        if clash is not None:
+            i, j = clash
+            raise ValueError(_cache_clash(i, j, table[j, 0], groups[j]))
+        # Planes of one group never share bytes (refused by the layout) and one plane's
+        # blocks never overlap, so only groups that alias cache memory can collide.
+        _check_cache_aliasing(layout, table, offsets)
+        return
+    shared, column, what = layout.pool_shared_groups, 1, "pool row"
+    if not shared:
+        return
+    num_groups = layout.num_groups
+    conflicts = np.zeros((num_groups, num_groups), dtype=bool)
+    for g, h in shared:
+        conflicts[g, h] = conflicts[h, g] = True
+    ids = table[:, column]
+    if int(ids.max()) >= _INT64_MAX // num_groups:
+        raise ValueError(f"{what} {int(ids.max())} too large to check for clashes")
+    # Distinct (id, group) keys in id order: each id has at most num_groups entries, so
+    # comparing every entry with the next num_groups - 1 ones finds all same-id pairs.
+    keys = np.sort(ids * num_groups + groups)
+    keys = keys[np.concatenate(([True], keys[1:] != keys[:-1]))]
+    key_ids, key_groups = keys // num_groups, keys % num_groups
+    for distance in range(1, num_groups):
+        a, b = slice(None, -distance), slice(distance, None)
+        hit = (key_ids[a] == key_ids[b]) & conflicts[key_groups[a], key_groups[b]]
+        if np.any(hit):
+            k = int(np.flatnonzero(hit)[0])
+            g, h = int(key_groups[k]), int(key_groups[k + distance])
+            raise ValueError(_shared_clash(what, key_ids[k], g, h))
+
+
+__all__ = [
+    "DIRECTION_NAMES",
+    "FROM_POOL",
+    "SMALL_JOB_PAIRS",
+    "TO_POOL",
+    "Direction",
+    "JobSpec",
+    "PairTable",
+    "pair_table",
+    "validate_pairs",
+]

@@ -1,0 +1,337 @@
+"""Path choice: which copier moves which planes of a job, and the calibration behind it.
+
+Copy-engine DMA beats SM copies for large pages, SM copies win for many small pages,
+and a hybrid job mixes both (KiB-scale attention pages, MB-scale Mamba SSM pages). So
+``auto`` decides per plane, from the plane's page bytes and the pages it has in the
+job, per direction: one job may launch the kernel for some planes and a DMA batch for
+the others, on one stream with one completion. ``per_job`` mode (one copier for the
+whole job, from its mean page size) is kept for comparison in the benchmarks.
+
+The crossover is measured at start-up through the engine's own submit path on its real
+layout (its planes, grid and staging; both directions; runs merged as in real jobs), or
+configured as a page-size threshold.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+import numpy as np
+
+from triton_offload.transfer.jobs import DIRECTION_NAMES, FROM_POOL, TO_POOL, JobSpec
+from triton_offload.transfer.layout import CacheLayout
+
+if TYPE_CHECKING:
+    from triton_offload.transfer.engine import TransferEngine
+
+logger = logging.getLogger(__name__)
+
+#: One part of a job: the copier's name and the plane indices it moves (None: all).
+Assignment = tuple[tuple[str, tuple[int, ...] | None], ...]
+PathChoice = Literal["plane", "job"]
+PATH_CHOICES = ("plane", "job")
+
+
+@dataclass(frozen=True)
+class Crossover:
+    """Per direction, the winner measured at grid points (page bytes, pages per job).
+
+    ``threshold`` (configured) overrides the grid: DMA for pages of at least that many
+    bytes. ``timings`` keeps the measured seconds per point and copier (for ``info``).
+    """
+
+    grid: Mapping[int, Mapping[tuple[int, int], str]] = field(default_factory=dict)
+    threshold: Mapping[int, int] | None = None
+    timings: Mapping[int, Mapping[tuple[int, int], Mapping[str, float]]] = field(
+        default_factory=dict
+    )
+
+    def choose(self, direction: int, page_bytes: float, pages: int) -> str:
+        if self.threshold is not None:
+            return "dma" if page_bytes >= self.threshold[direction] else "triton"
+        points = self.grid.get(direction)
+        if not points:
+            return "triton"
+
+        def distance(point: tuple[int, int]) -> tuple[float, float]:
+            return (
+                abs(math.log2(point[0]) - math.log2(max(page_bytes, 1.0))),
+                abs(math.log2(point[1]) - math.log2(max(pages, 1))),
+            )
+
+        return points[min(points, key=distance)]
+
+    def describe(self) -> list[str]:
+        """One line per grid point (or the threshold): what ``info`` and the log print."""
+        if self.threshold is not None:
+            return [
+                f"{DIRECTION_NAMES[d]}: dma for pages >= {t} bytes (configured)"
+                for d, t in sorted(self.threshold.items())
+            ]
+        lines = []
+        for direction, points in sorted(self.grid.items()):
+            for (page, pages), winner in sorted(points.items()):
+                times = self.timings.get(direction, {}).get((page, pages), {})
+                detail = ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in sorted(times.items()))
+                lines.append(
+                    f"{DIRECTION_NAMES[direction]} page {page} B x {pages}: {winner}"
+                    + (f" ({detail})" if detail else "")
+                )
+        return lines
+
+
+def parse_crossover(configured: int | Mapping[str, int] | None) -> Crossover | None:
+    """A configured DMA/Triton threshold (page bytes), or None to measure it at start-up.
+
+    Checked on every device, so a bad setting fails where it is written, not only on
+    the CUDA machine that would use it.
+    """
+    if configured is None:
+        return None
+    if isinstance(configured, Mapping):
+        if set(configured) != {"store", "load"}:
+            raise ValueError(
+                f"crossover {dict(configured)!r} needs exactly the keys 'store' and 'load'"
+            )
+        values = {TO_POOL: configured["store"], FROM_POOL: configured["load"]}
+    else:
+        values = {TO_POOL: configured, FROM_POOL: configured}
+    for direction, value in values.items():
+        name = f"crossover[{DIRECTION_NAMES[direction]!r}]"
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{name} must be an int of page bytes, got {value!r}")
+        if value < 0:
+            raise ValueError(f"{name} {value} must be >= 0 page bytes")
+    return Crossover(threshold={int(direction): int(v) for direction, v in values.items()})
+
+
+#: Block counts remembered per (direction, group) by :class:`CrossoverPath`.
+_MEMO_LIMIT = 1 << 16
+
+
+class PathPolicy:
+    """Decides a job's assignment of planes to copiers."""
+
+    def assign(self, direction: int, counts: Sequence[int]) -> Assignment:
+        """``counts[g]``: GPU blocks of group g in the job."""
+        raise NotImplementedError
+
+
+class FixedPath(PathPolicy):
+    """Every plane of every job by one copier."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._all: Assignment = ((name, None),)
+
+    def assign(self, direction: int, counts: Sequence[int]) -> Assignment:
+        return self._all
+
+
+class CrossoverPath(PathPolicy):
+    """``auto``: per plane (``"plane"``) or per job (``"job"``) from a :class:`Crossover`."""
+
+    def __init__(self, layout: CacheLayout, crossover: Crossover, mode: PathChoice) -> None:
+        if mode not in PATH_CHOICES:
+            raise ValueError(f"path choice {mode!r} is not one of {PATH_CHOICES}")
+        self.layout = layout
+        self.crossover = crossover
+        self.mode = mode
+        self._page_bytes = [p.page_bytes for p in layout.planes]
+        self._bytes_per_block = layout.bytes_per_block
+        self._planes_per_group = [len(p) for p in layout.group_planes]
+        # A plane's winner depends on (direction, its page bytes, its group's block
+        # count) only, so per group the winners of all its planes are one of a few
+        # tuples (page classes x count buckets of the grid). Each distinct tuple gets an
+        # id; per (direction, group) a memo maps a block count to that id, so a job costs
+        # one dict lookup per group instead of a grid search (log2 per point) per plane:
+        # ~480 us per job on a 160-plane layout before, ~1.5 us after
+        # (bench_host_cost.py, test_path_choice_per_job).
+        self._group_pages = [
+            sorted({self._page_bytes[i] for i in members}) for members in layout.group_planes
+        ]
+        self._class_ids: dict[tuple[str, ...], int] = {}
+        self._classes: list[tuple[str, ...]] = []
+        self._memo: dict[tuple[int, int], dict[int, int]] = {}
+        self._cache: dict[tuple[int, tuple[int, ...]], Assignment] = {}
+
+    def _group_class(self, direction: int, group: int, count: int) -> int:
+        """The id of group ``group``'s plane winners for a job with ``count`` of its blocks."""
+        memo = self._memo.get((direction, group))
+        if memo is None:
+            memo = self._memo[(direction, group)] = {}
+        found = memo.get(count)
+        if found is not None:
+            return found
+        members = self.layout.group_planes[group]
+        if count:
+            by_page = {
+                page: self.crossover.choose(direction, page, count)
+                for page in self._group_pages[group]
+            }
+            winners = tuple(by_page[self._page_bytes[i]] for i in members)
+        else:
+            winners = ("",) * len(members)  # planes of a group the job does not touch
+        found = self._class_ids.get(winners)
+        if found is None:
+            found = self._class_ids[winners] = len(self._classes)
+            self._classes.append(winners)
+        # Counts are bounded by the group's blocks; the cap only bounds memory for a
+        # caller that sends ever larger counts (beyond it the choice is recomputed).
+        if len(memo) < _MEMO_LIMIT:
+            memo[count] = found
+        return found
+
+    def assign(self, direction: int, counts: Sequence[int]) -> Assignment:
+        choose = self.crossover.choose
+        if self.mode == "job":
+            pages = sum(c * p for c, p in zip(counts, self._planes_per_group, strict=True))
+            size = sum(c * b for c, b in zip(counts, self._bytes_per_block, strict=True))
+            return ((choose(direction, size / max(pages, 1), pages), None),)
+        classes = tuple(
+            self._group_class(direction, group, int(count)) for group, count in enumerate(counts)
+        )
+        key = (direction, classes)
+        cached = self._cache.get(key)
+        if cached is not None:
+            return cached
+        winners = [w for c in classes for w in self._classes[c]]
+        names = sorted({w for w in winners if w})
+        if len(names) <= 1:
+            result: Assignment = ((names[0] if names else "triton", None),)
+        else:
+            result = tuple(
+                (name, tuple(i for i, w in enumerate(winners) if w == name)) for name in names
+            )
+        # Few distinct assignments exist (page-size classes x count buckets): a bounded
+        # cache keeps the per-job cost to the group lookups and one dict lookup.
+        if len(self._cache) < 4096:
+            self._cache[key] = result
+        return result
+
+
+#: Calibration grid: pages per plane in a job (the page sizes are the layout's own).
+CALIBRATION_PAGES = (16, 256)
+#: Bytes per calibration job at most; keeps the whole start-up measurement to a few ms.
+CALIBRATION_MAX_BYTES = 16 << 20
+#: Timed repeats per point (after one warm-up job), median taken.
+CALIBRATION_REPEATS = 3
+
+
+def calibration_slice(rows: object, num_rows: int) -> range:
+    """The k-th of n equal, disjoint slices of ``range(num_rows)`` for ``rows = (k, n)``.
+
+    Ranks whose pools share rows pass distinct k: their calibrations store into and
+    load from disjoint rows, so none loads another's bytes into its caches.
+    """
+    if (
+        not isinstance(rows, tuple)
+        or len(rows) != 2
+        or any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) for v in rows)
+    ):
+        raise TypeError(f"calibration_rows must be a tuple (k, n) of two ints, got {rows!r}")
+    k, n = int(rows[0]), int(rows[1])
+    if n < 1 or not 0 <= k < n:
+        raise ValueError(f"calibration_rows {rows!r} needs n >= 1 and 0 <= k < n")
+    if n > num_rows:
+        raise ValueError(
+            f"calibration_rows {rows!r}: {n} slices of {num_rows} pool rows leave some empty"
+        )
+    return range(k * num_rows // n, (k + 1) * num_rows // n)
+
+
+def _calibration_page_sizes(layout: CacheLayout, limit: int = 4) -> list[int]:
+    sizes = sorted({plane.page_bytes for plane in layout.planes})
+    if len(sizes) <= limit:
+        return sizes
+    picks = np.linspace(0, len(sizes) - 1, limit).round().astype(int)
+    return sorted({sizes[i] for i in picks})
+
+
+def _calibration_job(
+    engine: TransferEngine, page: int, wanted: int, rng: np.random.Generator
+) -> tuple[JobSpec, tuple[int, ...], int] | None:
+    """A job on the group with the most planes of ``page`` bytes: (spec, planes, pages)."""
+    layout = engine.layout
+    best = max(
+        range(layout.num_groups),
+        key=lambda g: sum(layout.planes[i].page_bytes == page for i in layout.group_planes[g]),
+    )
+    planes = tuple(i for i in layout.group_planes[best] if layout.planes[i].page_bytes == page)
+    if not planes:
+        return None
+    bpc = layout.blocks_per_chunk
+    own_rows = np.asarray(engine.calibration_rows, dtype=np.int64)
+    pages = min(
+        wanted,
+        layout.group_num_blocks[best],
+        own_rows.size * bpc,
+        max(1, CALIBRATION_MAX_BYTES // (page * len(planes))),
+    )
+    # Scattered blocks and rows, as in real jobs (runs merge only where they would).
+    blocks = rng.permutation(layout.group_num_blocks[best])[:pages]
+    rows = own_rows[rng.permutation(own_rows.size)[: -(-pages // bpc)]]
+    gpu = [blocks if g == best else [] for g in range(layout.num_groups)]
+    host = [rows if g == best else [] for g in range(layout.num_groups)]
+    return JobSpec(gpu, host), planes, pages
+
+
+def calibrate(engine: TransferEngine, names: tuple[str, str] = ("triton", "dma")) -> Crossover:
+    """Time the copiers against each other per direction, through the engine's submit path.
+
+    Grid: each distinct page size of the layout (up to 4) x ``CALIBRATION_PAGES`` pages.
+    Each point is a real job on the engine's own layout restricted to the planes of that
+    size (one group), timed by the engine's own start/end events, stores and loads
+    alternating on the same blocks and rows: a load writes back the bytes the store just
+    read, so the caches end as they began. Pool rows in ``engine.calibration_rows`` are
+    overwritten (at construction the engine has stored nothing yet); no other row is
+    touched.
+    """
+    rng = np.random.default_rng(0)
+    grid: dict[int, dict[tuple[int, int], str]] = {TO_POOL: {}, FROM_POOL: {}}
+    timings: dict[int, dict[tuple[int, int], dict[str, float]]] = {TO_POOL: {}, FROM_POOL: {}}
+    for page in _calibration_page_sizes(engine.layout):
+        for wanted in CALIBRATION_PAGES:
+            job = _calibration_job(engine, page, wanted, rng)
+            if job is None:
+                continue
+            spec, planes, _pages = job
+            seconds: dict[int, dict[str, list[float]]] = {
+                TO_POOL: {n: [] for n in names},
+                FROM_POOL: {n: [] for n in names},
+            }
+            for repeat in range(CALIBRATION_REPEATS + 1):
+                for name in names:
+                    for direction in (TO_POOL, FROM_POOL):
+                        result = engine._run_now(spec, direction, ((name, planes),))
+                        if repeat:  # the first round warms up (compilation, first touch)
+                            seconds[direction][name].append(result.transfer_time)
+            for direction in (TO_POOL, FROM_POOL):
+                medians = {n: float(np.median(t)) for n, t in seconds[direction].items()}
+                winner = min(medians, key=medians.__getitem__)
+                grid[direction][(page, wanted)] = winner
+                timings[direction][(page, wanted)] = medians
+    crossover = Crossover(grid=grid, timings=timings)
+    for line in crossover.describe():
+        logger.info("calibration %s", line)
+    return crossover
+
+
+__all__ = [
+    "CALIBRATION_MAX_BYTES",
+    "CALIBRATION_PAGES",
+    "PATH_CHOICES",
+    "Assignment",
+    "Crossover",
+    "CrossoverPath",
+    "FixedPath",
+    "PathChoice",
+    "PathPolicy",
+    "calibrate",
+    "calibration_slice",
+    "parse_crossover",
+]

@@ -1,0 +1,133 @@
+"""The vLLM integration: this project's planner and data path as vLLM plugins (vllm 0.33).
+
+Select a backend with ``"spec_name": "TritonOffloadingSpec"`` (or
+``"TritonTieringOffloadingSpec"``) and ``"spec_module_path": "triton_offload.vllm"``
+under vLLM's ``OffloadingConnector``, or the connector itself with ``"kv_connector":
+"TritonOffloadingConnector", "kv_connector_module_path": "triton_offload.vllm"``.
+
+One module per concern, each an ordinary module whose classes subclass vLLM's at module
+level:
+
+- ``compat``: the supported vLLM releases and the names registered (no vllm import);
+- ``plugin``: the ``vllm.general_plugins`` entry point (registers by module path);
+- ``options``: this backend's extra-config keys; ``convert``: vLLM's config, caches and
+  job specs in this project's terms; ``tiers``: secondary tiers and their storage tag;
+- ``region``: vLLM's ``SharedOffloadRegion`` as the host pool, and the store ledger;
+- ``worker``: ``TritonOffloadingWorker``; ``spec``: ``TritonOffloadingSpec`` and
+  ``TritonTieringOffloadingSpec``;
+- ``planning``: the planner built from vLLM's cache specs; ``connector``:
+  ``TritonOffloadingConnector`` and its scheduler.
+
+Imports point one way: connector -> planning; spec -> worker -> region, convert; all
+of them -> compat; nothing here is imported by the planner or the data path. This
+package resolves its public names lazily (vLLM's factories import ``triton_offload.vllm``
+and read one name), so the plugin and a lookup of one class load only what they need.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import TYPE_CHECKING, Any
+
+if importlib.util.find_spec("vllm") is None:
+    raise ImportError(
+        "triton_offload.vllm needs vLLM, which is not installed: "
+        "pip install 'triton-offload[vllm]' (supported: vllm>=0.33,<0.34)"
+    )
+
+# Public name -> module of this package that defines it.
+_EXPORTS: dict[str, str] = {
+    "SPEC_NAME": "compat",
+    "TIERING_SPEC_NAME": "compat",
+    "CONNECTOR_NAME": "compat",
+    "SUPPORTED_VLLM": "compat",
+    "UnsupportedVLLMError": "compat",
+    "check_vllm_version": "compat",
+    "installed_vllm_version": "compat",
+    "register": "plugin",
+    "BACKENDS": "options",
+    "EXTRA_CONFIG_KEYS": "options",
+    "EngineOptions": "options",
+    "caches_from_canonical": "convert",
+    "plan_from_offloading_config": "convert",
+    "split_job": "convert",
+    "TAGGED_TIERS": "tiers",
+    "UNTAGGABLE_TIERS": "tiers",
+    "check_secondary_tiers": "tiers",
+    "storage_layout_tag": "tiers",
+    "TritonOffloadingWorker": "worker",
+    "TritonOffloadingSpec": "spec",
+    "TritonTieringOffloadingSpec": "spec",
+    "TritonOffloadingConnector": "connector",
+    "TritonOffloadingConnectorScheduler": "connector",
+}
+
+__all__ = [
+    "BACKENDS",
+    "CONNECTOR_NAME",
+    "EXTRA_CONFIG_KEYS",
+    "SPEC_NAME",
+    "SUPPORTED_VLLM",
+    "TAGGED_TIERS",
+    "TIERING_SPEC_NAME",
+    "UNTAGGABLE_TIERS",
+    "EngineOptions",
+    "TritonOffloadingConnector",
+    "TritonOffloadingConnectorScheduler",
+    "TritonOffloadingSpec",
+    "TritonOffloadingWorker",
+    "TritonTieringOffloadingSpec",
+    "UnsupportedVLLMError",
+    "caches_from_canonical",
+    "check_secondary_tiers",
+    "check_vllm_version",
+    "installed_vllm_version",
+    "plan_from_offloading_config",
+    "register",
+    "split_job",
+    "storage_layout_tag",
+]
+
+if TYPE_CHECKING:
+    from triton_offload.vllm.compat import (
+        CONNECTOR_NAME,
+        SPEC_NAME,
+        SUPPORTED_VLLM,
+        TIERING_SPEC_NAME,
+        UnsupportedVLLMError,
+        check_vllm_version,
+        installed_vllm_version,
+    )
+    from triton_offload.vllm.connector import (
+        TritonOffloadingConnector,
+        TritonOffloadingConnectorScheduler,
+    )
+    from triton_offload.vllm.convert import (
+        caches_from_canonical,
+        plan_from_offloading_config,
+        split_job,
+    )
+    from triton_offload.vllm.options import BACKENDS, EXTRA_CONFIG_KEYS, EngineOptions
+    from triton_offload.vllm.plugin import register
+    from triton_offload.vllm.spec import TritonOffloadingSpec, TritonTieringOffloadingSpec
+    from triton_offload.vllm.tiers import (
+        TAGGED_TIERS,
+        UNTAGGABLE_TIERS,
+        check_secondary_tiers,
+        storage_layout_tag,
+    )
+    from triton_offload.vllm.worker import TritonOffloadingWorker
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    # Not cached in this module's namespace: the defining module stays the one source
+    # (a test or a re-import that replaces it is seen at once).
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

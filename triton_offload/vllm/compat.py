@@ -1,0 +1,102 @@
+"""What this integration promises vLLM: the supported releases and the names it registers.
+
+Cheap to import (no vllm import): the plugin and the package's lazy loader read it in
+every vLLM process. :func:`supported_vllm_api` guards the modules that subclass vLLM's
+classes: it checks the installed release and turns a missing vLLM name into an
+:class:`UnsupportedVLLMError` naming the version found and the supported range.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import logging
+import re
+from collections.abc import Iterator
+
+#: The vLLM releases whose offloading API this package implements (inclusive, exclusive).
+SUPPORTED_VLLM_MIN = (0, 33)
+SUPPORTED_VLLM_MAX = (0, 34)
+SUPPORTED_VLLM = ">=0.33,<0.34"
+
+#: The names under which the plugin registers this package's classes with vLLM.
+SPEC_NAME = "TritonOffloadingSpec"
+TIERING_SPEC_NAME = "TritonTieringOffloadingSpec"
+CONNECTOR_NAME = "TritonOffloadingConnector"
+#: The module path every registered name resolves through (the README's configs name it).
+MODULE_PATH = "triton_offload.vllm"
+
+# vLLM attaches its handler to the "vllm" logger only (and stops propagation there), so
+# a message meant for vLLM's log must come from a logger below it.
+logger = logging.getLogger("vllm.triton_offload")
+
+
+class UnsupportedVLLMError(ImportError):
+    """The installed vLLM's offloading API is not the one this package implements."""
+
+
+def installed_vllm_version() -> str:
+    """The installed vLLM distribution's version string (``"unknown"`` without metadata)."""
+    try:
+        return importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def check_vllm_version(version: str | None = None) -> str:
+    """Raise :class:`UnsupportedVLLMError` unless ``version`` is in ``SUPPORTED_VLLM``.
+
+    ``version`` defaults to the installed one; local and dev suffixes are ignored
+    (``0.33.1.dev4+gabc`` is a 0.33 release). Returns the version checked.
+    """
+    found = installed_vllm_version() if version is None else version
+    match = re.match(r"\s*v?(\d+)\.(\d+)", found)
+    if match is None:
+        raise UnsupportedVLLMError(
+            f"triton_offload.vllm supports vllm{SUPPORTED_VLLM}; cannot tell which release "
+            f"vllm version {found!r} is"
+        )
+    release = (int(match.group(1)), int(match.group(2)))
+    if not SUPPORTED_VLLM_MIN <= release < SUPPORTED_VLLM_MAX:
+        raise UnsupportedVLLMError(
+            f"triton_offload.vllm supports vllm{SUPPORTED_VLLM} (the OffloadingSpec API of "
+            f"vllm 0.33), found vllm {found}; install a supported vllm or a triton-offload "
+            "release made for this one"
+        )
+    return found
+
+
+@contextlib.contextmanager
+def supported_vllm_api() -> Iterator[None]:
+    """Check the vLLM release, then import vLLM names inside the ``with`` block.
+
+    A name the installed vLLM lacks raises :class:`UnsupportedVLLMError` naming it, the
+    version found and the supported range, instead of a bare ImportError (or an
+    AttributeError later on).
+    """
+    version = check_vllm_version()
+    try:
+        yield
+    except ImportError as error:
+        if isinstance(error, UnsupportedVLLMError):
+            raise
+        raise UnsupportedVLLMError(
+            f"triton_offload.vllm supports vllm{SUPPORTED_VLLM}, found vllm {version} "
+            f"whose offloading API lacks a name this package uses ({error}; module "
+            f"{error.name}); its offloading API is not the supported one"
+        ) from error
+
+
+__all__ = [
+    "CONNECTOR_NAME",
+    "MODULE_PATH",
+    "SPEC_NAME",
+    "SUPPORTED_VLLM",
+    "SUPPORTED_VLLM_MAX",
+    "SUPPORTED_VLLM_MIN",
+    "TIERING_SPEC_NAME",
+    "UnsupportedVLLMError",
+    "check_vllm_version",
+    "installed_vllm_version",
+    "supported_vllm_api",
+]

@@ -1,0 +1,101 @@
+"""This backend's own ``kv_connector_extra_config`` keys, validated before anything is built.
+
+vLLM's own keys (``cpu_bytes_to_use``, ``blocks_per_chunk`` ...) are read by vLLM's spec;
+:func:`validate_cpu_bytes` only checks the one whose wrong value would otherwise be
+reported far from its cause. Every error names the key and the value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from triton_offload.transfer.engine import Backend
+from triton_offload.transfer.jobs import FROM_POOL, TO_POOL
+from triton_offload.transfer.selection import parse_crossover
+
+#: Extra-config keys read by this backend on top of vLLM's CPU spec keys.
+EXTRA_CONFIG_KEYS = ("backend", "num_programs", "crossover")
+BACKENDS = ("auto", "triton", "dma", "torch")
+
+
+def _positive_int(key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"kv_connector_extra_config[{key!r}] must be a positive integer, got {value!r}"
+        )
+    return value
+
+
+def _crossover_option(value: Any) -> int | dict[str, int] | None:
+    """The ``crossover`` key, checked by the engine's own validator (``parse_crossover``).
+
+    One rule for both entry points (page bytes >= 0, an int or exactly ``store`` and
+    ``load``); its message is renamed to the extra-config key.
+    """
+    try:
+        parsed = parse_crossover(value)
+    except (TypeError, ValueError) as error:
+        message = str(error)
+        if message.startswith("crossover"):
+            message = message[len("crossover") :]
+        if not isinstance(value, Mapping) and message.startswith("['store']"):
+            message = message[len("['store']") :]  # one value was given, not a mapping
+        raise ValueError(f"kv_connector_extra_config['crossover']{message}") from error
+    if parsed is None:
+        return None
+    if isinstance(value, Mapping):
+        return {"store": parsed.threshold[TO_POOL], "load": parsed.threshold[FROM_POOL]}
+    return parsed.threshold[TO_POOL]
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineOptions:
+    """This spec's own extra-config keys, validated (see the README for each).
+
+    ``backend``: "auto" (on CUDA the copy kernel for some planes and DMA for others,
+    chosen per plane from the crossover, so one job may use both; the CPU path without
+    CUDA), "triton", "dma" or "torch" (CPU caches only). ``num_programs``: Triton grid
+    size (None = the launcher's default). ``crossover``: page bytes at or above which
+    "auto" uses DMA for a plane, an int >= 0 or ``{"store": int, "load": int}``; None =
+    measured when the worker starts.
+    """
+
+    backend: Backend = "auto"
+    num_programs: int | None = None
+    crossover: int | Mapping[str, int] | None = None
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any]) -> EngineOptions:
+        backend = extra.get("backend", "auto")
+        if backend not in BACKENDS:
+            raise ValueError(
+                f"kv_connector_extra_config['backend'] {backend!r} is not one of {BACKENDS}"
+            )
+        num_programs = extra.get("num_programs")
+        if num_programs is not None:
+            num_programs = _positive_int("num_programs", num_programs)
+        crossover = _crossover_option(extra.get("crossover"))
+        return cls(backend=backend, num_programs=num_programs, crossover=crossover)
+
+
+def validate_cpu_bytes(extra: Mapping[str, Any]) -> None:
+    cpu_bytes = extra.get("cpu_bytes_to_use")
+    if isinstance(cpu_bytes, bool) or not isinstance(cpu_bytes, (int, float, str)):
+        raise ValueError(
+            "kv_connector_extra_config['cpu_bytes_to_use'] (host bytes for all "
+            f"workers together) must be given as a positive integer, got {cpu_bytes!r}"
+        )
+    try:
+        value = int(cpu_bytes)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(
+            "kv_connector_extra_config['cpu_bytes_to_use'] must be a positive "
+            f"integer, got {cpu_bytes!r}"
+        )
+
+
+__all__ = ["BACKENDS", "EXTRA_CONFIG_KEYS", "EngineOptions", "validate_cpu_bytes"]

@@ -1,0 +1,340 @@
+"""``TritonOffloadingSpec`` and ``TritonTieringOffloadingSpec``: this backend as vLLM specs.
+
+Backends for vLLM's ``OffloadingConnector``. Select one with ``kv_connector_extra_config
+= {"spec_name": "TritonOffloadingSpec" (or "TritonTieringOffloadingSpec"),
+"spec_module_path": "triton_offload.vllm", "cpu_bytes_to_use": ...}`` (the module path
+may be left out once this package is installed: its ``vllm.general_plugins`` entry
+point, :func:`register`, registers both names with vLLM's spec factory).
+
+Supported: vLLM ``>=0.33,<0.34`` (the ``OffloadingSpec`` API of vllm 0.33: an
+``OffloadingConfig`` in the constructor, ``CanonicalKVCaches`` in ``get_worker``,
+explicit ``submit_store`` / ``submit_load``). Another version, or a build whose
+offloading module lacks one of the names used here, raises
+:class:`UnsupportedVLLMError` naming the version found and the supported range.
+
+Scheduler side: the spec *is* vLLM's ``CPUOffloadingSpec`` (or ``TieringOffloadingSpec``,
+with its ``secondary_tiers``) for everything the scheduler sees: its manager, chunk
+count, metrics and keys, so the host chunk ids handed out are vLLM's own. Worker side:
+``get_worker`` maps vLLM's ``SharedOffloadRegion`` with the arguments vLLM's spec
+passes (:mod:`triton_offload.vllm.region`), page-locks this worker's part on CUDA, turns
+vLLM's ``CanonicalKVCaches`` into this project's byte planes and returns a
+:class:`TritonOffloadingWorker` whose :class:`~triton_offload.engine.TransferEngine`
+uses the worker's pages of the region as its row-strided pool. Its log line says how
+many bytes were mapped and locked and how long each took.
+
+Decisions a user of vLLM's CPU spec would ask about:
+
+- The region is used on every platform (vLLM's CPU spec uses it only on CUDA and XPU),
+  so the single-copy ``replicated_layout`` holds everywhere and the chunk count is the
+  one vLLM's CPU spec computes on its region: one copy per chunk for replicated (MLA)
+  pages, else one per worker.
+- Under ``replicated_layout`` only rank 0 copies stores (the rank vLLM's connector
+  elects); another rank given a store reports it once the region's store ledger says
+  rank 0's copy finished (protocol and ordering in ``triton_offload.vllm_region``).
+  Every rank loads from the one copy.
+- An attention-free config (no group) builds, counts capacity as vLLM's CPU spec does
+  and gives a worker that maps and moves nothing. A group without layers on this
+  worker's pipeline stage is an engine group without planes: its chunk ids are checked,
+  nothing of it moves.
+- ``canonical_layout`` is refused: its pages are vLLM's canonical fragments, not this
+  project's rows.
+- The tiering spec's fs, obj and p2p tiers file chunks under a name that carries this
+  layout (:func:`storage_layout_tag`), so they never exchange chunks with stock vLLM
+  or another geometry; the KVCR tier, which cannot be so named, is refused.
+
+Importing this module imports vLLM's offloading modules, after the version check of
+:mod:`triton_offload.vllm.compat`; ``triton_offload.vllm`` imports it on first use of a
+class name, so the plugin stays cheap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import torch
+
+from triton_offload import __version__
+from triton_offload.transfer.engine import TransferEngine
+from triton_offload.transfer.layout import CacheLayout, build_layout
+from triton_offload.transfer.pool import cuda_api
+from triton_offload.vllm.compat import logger, supported_vllm_api
+from triton_offload.vllm.convert import caches_from_canonical, plan_from_offloading_config
+from triton_offload.vllm.options import EngineOptions, validate_cpu_bytes
+from triton_offload.vllm.planning import warn_stock_lookup_hazards
+from triton_offload.vllm.region import (
+    RegionPlan,
+    StoreLedger,
+    create_worker_region,
+    default_barrier,
+    lock_worker_pages,
+    release_region,
+    worker_pool_view,
+)
+from triton_offload.vllm.tiers import check_secondary_tiers, storage_layout_tag
+from triton_offload.vllm.worker import TritonOffloadingWorker
+
+with supported_vllm_api():
+    from vllm.v1.kv_offload.base import CanonicalKVCaches
+    from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+
+class TritonWorkerSide:
+    """The worker side shared by both specs: vLLM's region, this project's engine."""
+
+    #: Barrier the region's workers meet at (None: vLLM's all-workers barrier when
+    #: its process groups exist, else none). Tests set a multiprocessing barrier.
+    region_barrier: Any = None
+    #: Create the region as vLLM's tiering spec does (shared with the scheduler).
+    _tiering_region = False
+
+    config: Any
+    extra_config: Any
+    num_chunks: int
+    blocks_per_chunk: int
+    replicated_layout: bool
+
+    def __init__(self, config: Any) -> None:
+        extra = config.extra_config
+        validate_cpu_bytes(extra)
+        if config.canonical_layout or extra.get("canonical_layout"):
+            raise ValueError(
+                "kv_connector_extra_config['canonical_layout'] is not supported by "
+                f"{type(self).__name__}: its host rows hold each worker's own pages "
+                "in this project's row layout, not vLLM's canonical pages"
+            )
+        self.engine_options = EngineOptions.from_extra_config(extra)
+        super().__init__(config)  # type: ignore[call-arg]
+        # An attention-free model has no group: nothing to plan or move.
+        self.plan = plan_from_offloading_config(config) if config.groups else None
+        self._triton_manager: Any = None
+        self._triton_worker: Any = None
+
+    def _uses_shared_region(self) -> bool:
+        # Every platform uses vLLM's shared region, so the single-copy layout
+        # for replicated (MLA) pages holds everywhere, as in vLLM's tiering spec.
+        return True
+
+    def get_manager(self) -> Any:
+        first = self._triton_manager is None
+        manager = self._triton_manager = super().get_manager()  # type: ignore[misc]
+        if first:
+            warn_stock_lookup_hazards(self.config)
+            logger.info(
+                "%s (triton_offload): scheduler uses vLLM's %s, %d host chunks "
+                "of %d blocks (%d bytes each, %s), eviction_policy=%s",
+                type(self).__name__,
+                type(manager).__name__,
+                self.num_chunks,
+                self.blocks_per_chunk,
+                getattr(self, "kv_bytes_per_chunk", 0),
+                "one copy per chunk" if self.replicated_layout else "one page per worker",
+                getattr(self, "eviction_policy", "lru"),
+            )
+        return manager
+
+    def get_worker(self, kv_caches: Any) -> TritonOffloadingWorker:
+        if self._triton_worker is None:
+            self._triton_worker = self.create_worker(kv_caches)
+        return self._triton_worker
+
+    def _stage_layout(
+        self, caches: list[list[torch.Tensor]], region_plan: RegionPlan
+    ) -> CacheLayout:
+        """The row layout of every group (those without layers here included: the engine
+        moves nothing for an empty group and still checks its host chunk ids), checked
+        against the worker's share of vLLM's chunk."""
+        layout = build_layout(
+            caches, num_groups=len(caches), blocks_per_chunk=self.blocks_per_chunk
+        )
+        if layout.row_bytes > region_plan.cpu_page_size:
+            raise ValueError(
+                f"a host chunk of this worker's caches needs {layout.row_bytes} bytes "
+                f"(largest group row, planes 16-byte aligned) but vLLM's chunk gives "
+                f"each worker {region_plan.cpu_page_size} bytes "
+                f"(worker_kv_bytes_per_block {self.config.worker_kv_bytes_per_block} "
+                f"x {self.blocks_per_chunk} blocks)"
+            )
+        return layout
+
+    def _new_engine(
+        self,
+        caches: list[list[torch.Tensor]],
+        region: Any,
+        region_plan: RegionPlan,
+        row_bytes: int,
+    ) -> TransferEngine:
+        """The engine on this worker's pages of the region (its row-strided pool)."""
+        options = self.engine_options
+        pool = worker_pool_view(region, region_plan)[:, :row_bytes]
+        return TransferEngine(
+            self.plan,
+            caches,
+            self.num_chunks,
+            pool=pool,
+            backend=options.backend,
+            num_programs=options.num_programs,
+            crossover=options.crossover,
+            # Under the single-copy layout every rank addresses the same rows: each
+            # calibrates on its own slice of them, so the ranks' start-up measurements
+            # neither collide nor disturb one another's timings.
+            calibration_rows=(
+                (region_plan.rank, region_plan.world_size)
+                if region_plan.replicated and 1 < region_plan.world_size <= self.num_chunks
+                else (0, 1)
+            ),
+        )
+
+    def create_worker(self, kv_caches: Any) -> TritonOffloadingWorker:
+        if not isinstance(kv_caches, CanonicalKVCaches):
+            raise TypeError(
+                f"get_worker needs vLLM's CanonicalKVCaches, got {type(kv_caches).__name__}"
+            )
+        num_groups = len(self.config.groups)
+        if len(kv_caches.group_data_refs) != num_groups:
+            raise ValueError(
+                f"kv_caches has {len(kv_caches.group_data_refs)} groups of refs but the "
+                f"OffloadingConfig has {num_groups} groups"
+            )
+        name = type(self).__name__
+        rank = int(self.config.parallel.rank)
+        if num_groups == 0:
+            logger.info(
+                "%s (triton_offload %s): worker rank %d has no KV cache group "
+                "(attention-free model): nothing to offload, no host memory mapped",
+                name,
+                __version__,
+                rank,
+            )
+            return TritonOffloadingWorker(
+                None,
+                num_groups=0,
+                stage_groups=(),
+                blocks_per_chunk=self.blocks_per_chunk,
+                num_chunks=self.num_chunks,
+            )
+        if self.num_chunks < 1:
+            raise ValueError(
+                f"cpu_bytes_to_use {self.extra_config.get('cpu_bytes_to_use')} holds no "
+                f"chunk of {self.config.worker_kv_bytes_per_block} bytes per block x "
+                f"{1 if self.replicated_layout else self.config.parallel.world_size} "
+                f"copies x {self.blocks_per_chunk} blocks; raise it"
+            )
+        caches = caches_from_canonical(kv_caches)
+        stage = tuple(g for g, layers in enumerate(caches) if layers)
+        region_plan = RegionPlan.from_spec(self)
+        layout = self._stage_layout(caches, region_plan) if stage else None
+        # Every worker reaches the same barriers in the same order (the region's,
+        # then the ledger's), whatever its stage holds.
+        barrier = None
+        if not self._tiering_region:
+            barrier = self.region_barrier or default_barrier()
+        started = time.perf_counter()
+        region = create_worker_region(region_plan, barrier=barrier, tiering=self._tiering_region)
+        ledger = None
+        engine = None
+        locked = 0
+        api_used = None
+        try:
+            if region_plan.replicated and region_plan.world_size > 1:
+                ledger = StoreLedger(region_plan.engine_id, region_plan.num_chunks, barrier)
+            mapped = time.perf_counter()
+            if layout is not None and layout.device.type == "cuda":
+                api_used = cuda_api()
+                with torch.cuda.device(layout.device):
+                    locked = lock_worker_pages(region, region_plan, api_used)
+            ready = time.perf_counter()
+            if layout is not None:
+                engine = self._new_engine(caches, region, region_plan, layout.row_bytes)
+        except BaseException:
+            if ledger is not None:
+                ledger.close()
+            release_region(region, api_used)
+            raise
+        role = (
+            "writes replicated chunks"
+            if region_plan.replicated and region_plan.writer
+            else "reads replicated chunks (rank 0 writes)"
+            if region_plan.replicated
+            else f"owns page {region_plan.slot} of each chunk"
+        )
+        logger.info(
+            "%s (triton_offload %s): worker rank %d %s; shared region %s: %d host chunks, "
+            "row stride %d bytes, %d-byte pages; %.2f GiB mapped in %.3f s, %.2f GiB "
+            "page-locked in %.3f s; %s",
+            name,
+            __version__,
+            rank,
+            role,
+            region.mmap_path,
+            region_plan.num_chunks,
+            region_plan.row_stride,
+            region_plan.cpu_page_size,
+            region_plan.total_bytes / (1 << 30),
+            mapped - started,
+            locked / (1 << 30),
+            ready - mapped,
+            "no layer of any group on this stage: nothing to move"
+            if engine is None
+            else f"offloads {len(engine.layout.planes)} planes of groups "
+            f"{list(stage)} of {num_groups}, backend={engine.backend}, "
+            f"{engine.row_bytes}-byte rows on {engine.device}",
+        )
+        return TritonOffloadingWorker(
+            engine,
+            num_groups=num_groups,
+            stage_groups=stage,
+            blocks_per_chunk=self.blocks_per_chunk,
+            num_chunks=self.num_chunks,
+            region=region,
+            writer=region_plan.writer,
+            ledger=ledger,
+            cuda_api=api_used,
+        )
+
+
+class TritonOffloadingSpec(TritonWorkerSide, CPUOffloadingSpec):  # type: ignore[misc]
+    """vLLM's CPU offloading with this project's data path.
+
+    The constructor is cheap and has no side effects (vLLM builds the spec in the
+    scheduler and in every worker): it validates the extra config, computes the
+    chunk count as vLLM's CPU spec does on its shared region (one copy per chunk
+    under ``replicated_layout``) and plans the groups; nothing is allocated before
+    ``get_worker``. ``get_manager`` is vLLM's CPU manager.
+    """
+
+
+class TritonTieringOffloadingSpec(TritonWorkerSide, TieringOffloadingSpec):  # type: ignore[misc]
+    """vLLM's tiering offloading (CPU primary tier + ``secondary_tiers``) with this
+    project's data path between the GPU and the CPU tier.
+
+    The scheduler side is vLLM's ``TieringOffloadingManager`` unchanged (its
+    region, promotions and cascades to the fs, obj and p2p tiers); the worker maps
+    the same region as vLLM's tiering worker does. Those tiers keep this spec's
+    chunks apart from any other layout's: the KV dtype they hash into their storage
+    name carries :func:`storage_layout_tag` (``self.storage_layout``), so a shared
+    ``root_dir``, bucket prefix or peer never hands stock vLLM's chunks (or those
+    of another page geometry or parallel layout) to these rows, nor these rows to
+    them. The KVCR tier, which has no such name, is refused (ValueError).
+    """
+
+    _tiering_region = True
+
+    def __init__(self, config: Any) -> None:
+        check_secondary_tiers(config.extra_config.get("secondary_tiers", []), type(self).__name__)
+        super().__init__(config)
+        # Every secondary tier that names its storage with vLLM's FileMapper (the
+        # fs folder, the obj key prefix, the p2p peer fingerprint) hashes the
+        # config's KV dtype: tagging it with this layout files these rows apart
+        # from stock vLLM's chunks and from other geometries, in every such tier.
+        self.storage_layout = storage_layout_tag(self)
+        model = self.config.model
+        self.config = dataclasses.replace(
+            self.config,
+            model=dataclasses.replace(model, dtype=f"{model.dtype}+{self.storage_layout}"),
+        )
+
+
+__all__ = ["TritonOffloadingSpec", "TritonTieringOffloadingSpec", "TritonWorkerSide"]

@@ -1,0 +1,87 @@
+"""vLLM's secondary tiers under this backend: which are accepted, and the storage name tag.
+
+vLLM's tiering spec puts fs, obj, p2p and KVCR tiers under the CPU tier. This backend's
+rows are its own layout, so a tier may only exchange chunks with instances that write
+the same bytes: :func:`storage_layout_tag` names that layout, and
+:func:`check_secondary_tiers` refuses tiers that cannot carry the name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from triton_offload.transfer.layout import ROW_LAYOUT_VERSION
+from triton_offload.vllm.compat import logger
+
+#: Secondary tiers whose storage identity is vLLM's ``FileMapper`` fields (the fs folder,
+#: the obj key prefix, the p2p peer fingerprint), which carry this spec's layout tag, or
+#: that keep their chunks inside this process ("example").
+TAGGED_TIERS = ("fs", "obj", "p2p", "example")
+#: Secondary tiers refused: their chunks are shared under keys this spec cannot tag.
+UNTAGGABLE_TIERS = ("kvcr",)
+
+
+def storage_layout_tag(spec: Any) -> str:
+    """The identity of the bytes this spec puts in a host chunk, for secondary tiers.
+
+    vLLM's fs, obj and p2p tiers file a chunk under a digest of model, dtype, block and
+    group fields, with no field for the byte layout inside the chunk; with their
+    parallel-agnostic folders they also drop the parallel sizes when vLLM declares a
+    block parallelism-invariant. This project's rows are neither vLLM's layout nor
+    invariant across parallel layouts (each worker's page is plane-major over its own
+    shard), so the tag names the row layout version, the per-worker page and chunk
+    geometry, and the parallel sizes, except under ``replicated_layout`` where the one
+    copy of a chunk is the same bytes whatever the TP size.
+    """
+    config = spec.config
+    parts = [
+        f"triton_offload-rows-v{ROW_LAYOUT_VERSION}",
+        f"page{int(spec.cpu_page_size_per_worker)}",
+        f"bpc{int(spec.blocks_per_chunk)}",
+    ]
+    if not spec.replicated_layout:
+        parallel = config.parallel
+        parts.append(
+            f"tp{parallel.tp_size}-pp{parallel.pp_size}-pcp{parallel.pcp_size}"
+            f"-dcp{parallel.dcp_size}"
+        )
+    kv_cache_layout = getattr(config, "kv_cache_layout", None)
+    if kv_cache_layout:
+        parts.append(f"kv-{kv_cache_layout}")
+    return ":".join(parts)
+
+
+def check_secondary_tiers(tiers: Any, spec_name: str) -> None:
+    """Refuse tiers whose chunks could be shared with another layout (ValueError).
+
+    A tier outside :data:`TAGGED_TIERS` and :data:`UNTAGGABLE_TIERS` (an out-of-tree
+    tier) is let through with a warning: it is kept apart only if it files chunks with
+    vLLM's ``FileMapper.from_offloading_spec`` (which carries the layout tag).
+    """
+    if not isinstance(tiers, list):
+        return  # vLLM's tiering spec raises its own error for this
+    for index, tier in enumerate(tiers):
+        tier_type = tier.get("type") if isinstance(tier, Mapping) else None
+        key = f"kv_connector_extra_config['secondary_tiers'][{index}]['type']"
+        if tier_type in UNTAGGABLE_TIERS:
+            raise ValueError(
+                f"{key} {tier_type!r} is not supported by {spec_name}: that tier shares "
+                "chunks between instances keyed by block hash alone, with no field this "
+                "spec can tag with its row layout, so it could hand back chunks written "
+                "in vLLM's layout (or another geometry's) as this project's rows; use "
+                f"one of {TAGGED_TIERS[:3]}"
+            )
+        if tier_type is not None and tier_type not in TAGGED_TIERS:
+            logger.warning(
+                "%s %r is an out-of-tree tier: %s keeps its chunks apart from other "
+                "layouts only if the tier files them with vLLM's "
+                "FileMapper.from_offloading_spec (its dtype field carries the layout "
+                "tag); give it storage no other layout uses",
+                key,
+                tier_type,
+                spec_name,
+            )
+
+
+__all__ = ["TAGGED_TIERS", "UNTAGGABLE_TIERS", "check_secondary_tiers", "storage_layout_tag"]

@@ -1,0 +1,247 @@
+"""``TritonOffloadingWorker``: vLLM's ``OffloadingWorker`` on this project's engine.
+
+The worker side of both specs (:mod:`triton_offload.vllm.spec` builds it in
+``get_worker``): vLLM's job specs become ``JobSpec``s, the engine moves the bytes, and
+results go back as vLLM's ``TransferResult``s. Under the replicated layout a non-writer
+rank learns of rank 0's stores from the region's store ledger
+(:mod:`triton_offload.vllm.region`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from triton_offload.transfer.jobs import TO_POOL
+from triton_offload.vllm.compat import supported_vllm_api
+from triton_offload.vllm.convert import split_job
+from triton_offload.vllm.region import check_ledger_job_id, release_region, wait_until
+
+with supported_vllm_api():
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec, OffloadingWorker, TransferResult
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+
+class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
+    """vLLM ``OffloadingWorker`` backed by a ``TransferEngine`` on vLLM's shared region.
+
+    ``submit_store(job_id, GPULoadStoreSpec, CPULoadStoreSpec)`` and
+    ``submit_load(job_id, CPULoadStoreSpec, GPULoadStoreSpec)`` check the spec
+    types (TypeError) and the block counts (ValueError) before any byte moves;
+    ``get_finished`` returns each job once as vLLM's ``TransferResult``; ``wait``
+    blocks on jobs still in flight (ids already reported are ignored, as vLLM's
+    CPU worker does); ``shutdown`` waits for running jobs, then releases the
+    region as vLLM's CPU worker does (unlock, unmap, unlink if still linked).
+    ``submit_load(..., expedited=True)`` (vLLM's loads for requests that run in the
+    same step, which vLLM's connector waits for at once) goes to the engine's
+    expedited lane: on CUDA its own queue on a stream of the highest priority, so it
+    never waits behind the regular loads already queued.
+
+    ``stage_groups``: the config's groups that have layers on this worker (a
+    pipeline stage may hold none of a group); the engine covers every group and
+    moves nothing for the empty ones. Without any such group there is no engine and
+    every job moves nothing. Under the replicated layout a rank
+    other than 0 copies no store: it reports the job when the store ledger says
+    rank 0's bytes are in the region (see ``triton_offload.vllm_region``).
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        num_groups: int,
+        stage_groups: tuple[int, ...],
+        blocks_per_chunk: int,
+        num_chunks: int,
+        region: Any = None,
+        writer: bool = True,
+        ledger: Any = None,
+        cuda_api: Any = None,
+    ) -> None:
+        self.engine = engine
+        self.num_groups = num_groups
+        self.stage_groups = stage_groups
+        self.blocks_per_chunk = blocks_per_chunk
+        self.num_chunks = num_chunks
+        self.region = region
+        self.writer = writer
+        self.ledger = ledger
+        self._cuda_api = cuda_api  # what locked the region's pages (CUDA only)
+        self._closed = False
+        # Jobs accepted and not yet reported, by kind.
+        self._engine_jobs: set[Any] = set()
+        self._published: dict[Any, Any] = {}  # writer: job id -> chunks to publish
+        self._replica_jobs: dict[Any, Any] = {}  # non-writer: job id -> chunks
+        self._empty_jobs: list[Any] = []  # jobs that move nothing on this worker
+        self._ready: list[Any] = []  # engine results drained by wait()
+
+    # ------------------------------------------------------------ job input
+
+    def _job(self, what: str, gpu: tuple[str, Any], host: tuple[str, Any]) -> Any:
+        """The job's ``JobSpec`` (every group of the config)."""
+        (gpu_name, gpu_spec), (host_name, host_spec) = gpu, host
+        if not isinstance(gpu_spec, GPULoadStoreSpec):
+            raise TypeError(
+                f"{what}: {gpu_name} must be vLLM's GPULoadStoreSpec, got {type(gpu_spec).__name__}"
+            )
+        if not isinstance(host_spec, CPULoadStoreSpec):
+            raise TypeError(
+                f"{what}: {host_name} must be vLLM's CPULoadStoreSpec (from this spec's "
+                f"manager), got {type(host_spec).__name__}"
+            )
+        job = split_job(gpu_spec, host_spec, self.num_groups, self.blocks_per_chunk, what)
+        if self.engine is None:
+            # No layer of any group here: nothing moves, but the chunk ids must still
+            # be ones the manager can hand out (the engine checks them otherwise).
+            for group in range(self.num_groups):
+                ids = job.host_blocks[group]
+                bad = ids[(ids < 0) | (ids >= self.num_chunks)]
+                if bad.size:
+                    raise ValueError(
+                        f"{what}: host block id {int(bad[0])} of group {group} out of "
+                        f"range [0, {self.num_chunks})"
+                    )
+        return job
+
+    def _check_new(self, job_id: Any, what: str) -> None:
+        try:
+            hash(job_id)
+        except TypeError:
+            raise ValueError(f"{what}: job id {job_id!r} is not hashable") from None
+        if job_id in self._in_flight():
+            raise ValueError(f"{what}: job id {job_id!r} is already in flight")
+
+    def _in_flight(self) -> set[Any]:
+        return (
+            self._engine_jobs
+            | set(self._replica_jobs)
+            | {result.job_id for result in self._empty_jobs}
+        )
+
+    # --------------------------------------------------------------- submit
+
+    def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
+        if self._closed:
+            return False
+        what = f"submit_store(job {job_id!r})"
+        job = self._job(what, ("src_spec", src_spec), ("dst_spec", dst_spec))
+        self._check_new(job_id, what)
+        chunks = None
+        if self.ledger is not None:
+            check_ledger_job_id(job_id, what)
+            chunks = np.unique(np.concatenate([np.zeros(0, np.int64), *job.host_blocks]))
+        if self.engine is None:
+            self._empty_jobs.append(TransferResult(job_id, True, 0, 0.0))
+            return True
+        if not self.writer:
+            # Same checks as a real store (the ids, the slots, aliasing), no copy.
+            self.engine.build_job_table(job, TO_POOL)
+            self._replica_jobs[job_id] = chunks
+            return True
+        accepted = bool(self.engine.submit_store(job_id, job))
+        if accepted:
+            self._engine_jobs.add(job_id)
+            if chunks is not None:
+                self._published[job_id] = chunks
+        return accepted
+
+    def submit_load(
+        self, job_id: int, src_spec: Any, dst_spec: Any, expedited: bool = False
+    ) -> bool:
+        if self._closed:
+            return False
+        what = f"submit_load(job {job_id!r})"
+        job = self._job(what, ("dst_spec", dst_spec), ("src_spec", src_spec))
+        self._check_new(job_id, what)
+        if self.engine is None:
+            self._empty_jobs.append(TransferResult(job_id, True, 0, 0.0))
+            return True
+        accepted = bool(self.engine.submit_load(job_id, job, expedited=bool(expedited)))
+        if accepted:
+            self._engine_jobs.add(job_id)
+        return accepted
+
+    # --------------------------------------------------------------- finish
+
+    def _drain_engine(self) -> None:
+        if self.engine is None:
+            return
+        for result in self.engine.get_finished():
+            self._engine_jobs.discard(result.job_id)
+            chunks = self._published.pop(result.job_id, None)
+            if chunks is not None:
+                # The copy is complete and visible to the host: tell the other ranks.
+                self.ledger.publish(chunks, int(result.job_id), bool(result.success))
+            self._ready.append(
+                TransferResult(
+                    job_id=result.job_id,
+                    success=result.success,
+                    transfer_size=result.transfer_size,
+                    transfer_time=result.transfer_time,
+                )
+            )
+
+    def _replicas_done(self) -> list[Any]:
+        done = []
+        for job_id, chunks in list(self._replica_jobs.items()):
+            status = self.ledger.status(chunks, int(job_id))
+            if status is not None:
+                del self._replica_jobs[job_id]
+                # This rank moved no byte: size and time 0 keep vLLM's store
+                # throughput metrics to the writer's real copies.
+                done.append(TransferResult(job_id, status, 0, 0.0))
+        return done
+
+    def get_finished(self) -> list[Any]:
+        self._drain_engine()
+        results = self._empty_jobs + self._ready
+        self._empty_jobs, self._ready = [], []
+        if self._replica_jobs:
+            results += self._replicas_done()
+        return results
+
+    def wait(self, job_ids: Iterable[int]) -> None:
+        ids = list(job_ids)
+        engine_ids = [job_id for job_id in ids if job_id in self._engine_jobs]
+        if engine_ids:
+            self.engine.wait(engine_ids)
+            self._drain_engine()
+        replica_ids = [job_id for job_id in ids if job_id in self._replica_jobs]
+        if replica_ids:
+
+            def writer_done() -> bool:
+                return all(
+                    self.ledger.status(self._replica_jobs[job_id], int(job_id)) is not None
+                    for job_id in replica_ids
+                )
+
+            wait_until(writer_done, f"rank 0's stores {replica_ids} (replicated layout)")
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        engine = self.engine
+        try:
+            if engine is not None:
+                if self._published:
+                    # Ranks waiting for these stores learn of them before the
+                    # ledger goes away.
+                    engine.wait(list(self._published))
+                    self._drain_engine()
+                engine.shutdown()
+        finally:
+            # The engine's pool is a view of the region: drop it before unmapping.
+            self.engine = None
+            del engine
+            if self.ledger is not None:
+                self.ledger.close()
+                self.ledger = None
+            if self.region is not None:
+                release_region(self.region, self._cuda_api)
+                self.region = None
+
+
+__all__ = ["TritonOffloadingWorker"]
