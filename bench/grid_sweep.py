@@ -201,18 +201,18 @@ def main(argv: list[str] | None = None) -> int:
     else:
         sms, programs, tiles = 0, [2, 4], QUICK_TILE_SIZES
     names = HYBRID_PRESETS if cuda and not args.quick else ("swa-hybrid",)
-    cases = [cases.CASES[name] for name in names]
+    swept = [cases.CASES[name] for name in names]
     if args.quick or not cuda:
         # One layer per group; without CUDA also two blocks of pages cut to 1 KiB at
         # most: the interpreter runs each program's items one by one.
-        cases = [replace(c, groups=tuple(_small(g, cuda) for g in c.groups)) for c in cases]
+        swept = [replace(c, groups=tuple(_small(g, cuda) for g in c.groups)) for c in swept]
     repeats = args.repeats if cuda else 1
     grid_rows: list[dict[str, Any]] = []
-    for case in cases:
+    for case in swept:
         grid_rows += sweep_grid(case, device, programs, tiles, repeats, deadline)
     choice_rows: list[dict[str, Any]] = []
     if cuda:
-        for case in cases:
+        for case in swept:
             if time.monotonic() > deadline:
                 break
             choice_rows += compare_choice(case, device, repeats)

@@ -334,7 +334,7 @@ def measure_samples(
 def cases_for(config: Config) -> tuple[list[Case], list[str]]:
     """Preset cases (scaled without CUDA) and, with ``sweep``, the raw sweep grid."""
     notes: list[str] = []
-    cases: list[Case] = []
+    selected: list[Case] = []
     for name in config.presets:
         case = cases.CASES[name]
         if config.target_bytes is not None:
@@ -347,14 +347,14 @@ def cases_for(config: Config) -> tuple[list[Case], list[str]]:
                     f"{case.job_bytes / cases.MiB:.0f} MiB"
                 )
             case = scaled
-        cases.append(case)
+        selected.append(case)
     if config.sweep:
         sweep, skipped = cases.sweep_cases(
             config.sweep_page_bytes, config.sweep_pages, max_job_bytes=config.sweep_max_bytes
         )
-        cases.extend(sweep)
+        selected.extend(sweep)
         notes.extend(f"sweep point skipped: {s}" for s in skipped)
-    return cases, notes
+    return selected, notes
 
 
 def _paths_for(config: Config) -> list[str]:
@@ -716,7 +716,7 @@ def run(config: Config, *, show_progress: bool = True) -> Results:
 
 def _run(config: Config, show_progress: bool) -> Results:
     started = time.perf_counter()
-    cases, notes = cases_for(config)
+    timed, notes = cases_for(config)
     interpreted = config.device.type != "cuda"
     if interpreted:
         checked = [p for p in config.paths if p in CPU_INTERPRETED_PATHS]
@@ -737,7 +737,7 @@ def _run(config: Config, show_progress: bool) -> Results:
             )
         if absent:
             notes.append(f"not run without CUDA: {', '.join(absent)} (need a GPU)")
-    total = len(cases) * len(_paths_for(config)) + len(config.presets)
+    total = len(timed) * len(_paths_for(config)) + len(config.presets)
     if interpreted:
         total += interpreted_steps(config)
     progress = Progress(total, enabled=show_progress)
@@ -746,23 +746,23 @@ def _run(config: Config, show_progress: bool) -> Results:
     done = 0
     interrupted = False
     try:
-        for case in cases:
+        for case in timed:
             if _past(deadline):
                 break
             measurements.extend(run_case(case, config, progress, deadline=deadline))
             done += 1
     except KeyboardInterrupt:  # e.g. `timeout -s INT`: keep what was measured
         interrupted = True
-    if done < len(cases) or any(m.note == CUT_NOTE for m in measurements):
+    if done < len(timed) or any(m.note == CUT_NOTE for m in measurements):
         why = (
             "the run was interrupted"
             if interrupted
             else f"the run's {config.max_seconds:g} s budget (--max-seconds) ran out"
         )
-        left = ", ".join(case.name for case in cases[done:]) or "none"
+        left = ", ".join(case.name for case in timed[done:]) or "none"
         notes.insert(
             0,
-            f"cut: {why} after {done} of {len(cases)} cases; not run: {left}"
+            f"cut: {why} after {done} of {len(timed)} cases; not run: {left}"
             + (
                 "; paths marked 'skipped' (cut) in a run case were not started"
                 if any(m.note == CUT_NOTE for m in measurements)
@@ -797,7 +797,7 @@ def _run(config: Config, show_progress: bool) -> Results:
         correctness=correctness,
         notes=notes,
         wall_s=time.perf_counter() - started,
-        cases=[case_summary(case) for case in cases[:done]],
+        cases=[case_summary(case) for case in timed[:done]],
     )
 
 

@@ -71,7 +71,7 @@ def _results(*, sweep: bool, cuda: bool) -> Results:
         host_costs=[],
         correctness=[],
         notes=[],
-        cases=[harness.case_summary(c) for c in cases],
+        cases=[harness.case_summary(c) for c in timed],
     )
 
 

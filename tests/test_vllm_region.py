@@ -536,7 +536,7 @@ def test_ranks_sharing_rows_calibrate_on_their_own_slice(
 ) -> None:
     # Under the single-copy layout every rank's pool is the same rows: the start-up
     # calibration of one rank must not store into rows another rank calibrates on.
-    import triton_offload.transfer.engine as engine_module
+    import triton_offload.vllm.spec as spec_module
 
     config = make_config(world_size=world_size, rank=rank, replicated=replicated)
     spec = tv.TritonOffloadingSpec(config)
@@ -547,7 +547,7 @@ def test_ranks_sharing_rows_calibrate_on_their_own_slice(
         calls.append(kwargs)
         raise Captured
 
-    monkeypatch.setattr(engine_module, "TransferEngine", record)
+    monkeypatch.setattr(spec_module, "TransferEngine", record)
     with pytest.raises(Captured):
         spec.get_worker(Caches().canonical)
     (call,) = calls

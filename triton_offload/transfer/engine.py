@@ -184,6 +184,23 @@ def _path_name(assignment: Assignment) -> str:
     return "+".join(name for name, _ in assignment)
 
 
+def _checked_device(cache_device: torch.device, device: torch.device | str | None) -> torch.device:
+    """The engine's device: the caches' own; a ``device`` given must name the same one."""
+    wanted = cache_device if device is None else torch.device(device)
+    if wanted.type != cache_device.type or (
+        wanted.index is not None
+        and cache_device.index is not None
+        and wanted.index != cache_device.index
+    ):
+        raise ValueError(
+            f"caches are on {cache_device} but device is {wanted}; the caches must "
+            "live on the engine's device"
+        )
+    if wanted.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {wanted} is not supported (cpu or cuda)")
+    return cache_device
+
+
 class TransferEngine:
     """Stores and loads cache blocks; see the module docstring for the job semantics.
 
@@ -261,23 +278,8 @@ class TransferEngine:
         self.layout: CacheLayout = build_layout(
             caches, num_groups=num_groups, blocks_per_chunk=self.blocks_per_chunk
         )
-        cache_device = self.layout.device
-        if device is None:
-            device = cache_device
-        device = torch.device(device)
-        if device.type != cache_device.type or (
-            device.index is not None
-            and cache_device.index is not None
-            and device.index != cache_device.index
-        ):
-            raise ValueError(
-                f"caches are on {cache_device} but device is {device}; the caches must "
-                "live on the engine's device"
-            )
-        if device.type not in ("cpu", "cuda"):
-            raise ValueError(f"device {device} is not supported (cpu or cuda)")
-        self.device = cache_device
-        self.cuda = device.type == "cuda"
+        self.device = _checked_device(self.layout.device, device)
+        self.cuda = self.device.type == "cuda"
         self.num_host_blocks = num_host_blocks
         self.num_groups = num_groups
         self.row_bytes: int = self.layout.row_bytes
