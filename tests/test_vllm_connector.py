@@ -562,7 +562,7 @@ def test_lazy_presence_asks_the_manager_only_for_what_the_scan_reads() -> None:
     """A 128k-token prompt fully stored: the planned lookup reads a few chunks of the
     windowed groups and the prefix of the unbounded one, memoised."""
     from triton_offload import GroupSpec, plan_offload
-    from triton_offload.vllm.connector import LazyPresence
+    from triton_offload.vllm.planning import LazyPresence
 
     class Manager:
         calls = 0
@@ -588,3 +588,129 @@ def test_lazy_presence_asks_the_manager_only_for_what_the_scan_reads() -> None:
     assert plan.lookup(n, 0, rows) == 48
     assert Manager.calls == sum(row.lookups for row in rows) < 16
     assert rows[0][3] is False and rows[0][-1] is True and rows[0][0:2] == [True, True]
+
+
+# ------------------------------------------------- fidelity to vLLM's scheduler
+
+
+class CountingManager:
+    """Stands between a scheduler and its real manager and counts lookups per key."""
+
+    def __init__(self, manager: Any) -> None:
+        self.manager = manager
+        self.calls: dict[Any, int] = {}
+
+    def lookup(self, key: Any, req_context: Any) -> Any:
+        self.calls[key] = self.calls.get(key, 0) + 1
+        return self.manager.lookup(key, req_context)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.manager, name)
+
+
+def counted_hit(engine: Engine, request: Any, computed: int = 0) -> tuple[int | None, Any]:
+    scheduler = engine.scheduler
+    counter = CountingManager(scheduler.manager)
+    scheduler.manager = counter
+    try:
+        return engine.hit(request, computed), counter
+    finally:
+        scheduler.manager = counter.manager
+
+
+LOOKUP_CASES = [
+    # (specs, tokens, stored chunks per group)
+    ([attention(4), mamba(16)], 64, [[c for c in range(16) if c != 10], [0, 1, 2]]),
+    ([attention(16), window(16, 32)], 160, [list(range(10)), [0, 1, 2, 5, 6, 7, 8]]),
+    ([attention(16), mamba(16)], 96, [list(range(6)), [1, 3, 5]]),
+    (
+        [attention(8), window(8, 24), mamba(16)],
+        130,
+        [list(range(16)), [3, 9, 10, 11, 12], [0, 5, 7]],
+    ),
+]
+
+
+@pytest.mark.parametrize("case", range(len(LOOKUP_CASES)))
+def test_one_manager_lookup_per_key_and_never_more_than_stock(case: int) -> None:
+    """The planner reuses what vLLM's own scan asked: each key reaches the manager at
+    most once per lookup (with a tiering manager a lookup may start a promotion). Where
+    both answer alike the connector asks no key stock vLLM did not; where vLLM's hit is
+    invalid (case 0: it ends inside a Mamba chunk) the planner asks what the valid hit
+    needs, at most one more key per group."""
+    specs, num_tokens, chunks = LOOKUP_CASES[case]
+    runs = []
+    for stock in (False, True):
+        engine = Engine(specs, stock=stock)
+        request = engine.request("r", num_tokens)
+        engine.store(request, chunks)
+        tokens, counter = counted_hit(engine, request)
+        runs.append((tokens, counter.calls))
+    (ours, our_calls), (stock_hit, stock_calls) = runs
+    assert our_calls and max(our_calls.values()) == 1, our_calls
+    extra = set(our_calls) - set(stock_calls)
+    if ours == stock_hit:
+        assert extra == set()
+    else:
+        assert case == 0 and (ours, stock_hit) == (32, 40)
+        assert len(extra) <= len(specs)
+
+
+@pytest.mark.parametrize(("num_tokens", "computed"), [(40, 28), (40, 4), (30, 20)])
+def test_a_hit_of_less_than_a_chunk_of_new_tokens_is_skipped_as_vllm_does(
+    num_tokens: int, computed: int
+) -> None:
+    """vLLM's minimum-load rule: a hit that would add less than one chunk beyond the
+    computed tokens loads nothing (12-token chunks: 28 computed of 40 could load 8; 4
+    computed could load 8 before chunk 1 is found missing). The connector answers as
+    stock vLLM does, with no more manager lookups."""
+    answers = []
+    for stock in (False, True):
+        engine = Engine([attention(12)], stock=stock)
+        request = engine.request("r", num_tokens)
+        missing = 1 if computed == 4 else None  # chunk 1 absent: the prefix ends at 12
+        engine.store(request, [[c for c in range(num_tokens // 12) if c != missing]])
+        tokens, counter = counted_hit(engine, request, computed=computed)
+        answers.append((tokens, sum(counter.calls.values())))
+    (ours, our_calls), (stock_tokens, stock_calls) = answers
+    assert ours == stock_tokens == 0
+    assert our_calls <= stock_calls
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_random_hybrids_lookups_once_per_key_valid_and_never_below_stock(seed: int) -> None:
+    """Random hybrids on vLLM's real scheduler: each key reaches the manager at most once;
+    the connector asks no key stock vLLM did not unless its answer differs; its hit is
+    valid, and never below a valid stock hit (both keep vLLM's minimum load)."""
+    import random
+
+    rng = random.Random(seed)
+    attention_block = rng.choice([4, 8, 16])
+    specs = [attention(attention_block)]
+    if rng.random() < 0.6:
+        specs.append(window(attention_block, rng.choice([8, 24, 40])))
+    if rng.random() < 0.6:
+        specs.append(mamba(attention_block * rng.choice([1, 2, 4])))
+    num_tokens = rng.randrange(24, 200)
+    ours_engine, stock_engine = Engine(specs), Engine(specs, stock=True)
+    plan = ours_engine.connector.triton_plan
+    chunks = [
+        [c for c in range(num_tokens // g.tokens_per_chunk) if rng.random() < 0.85]
+        for g in plan.groups
+    ]
+    runs = []
+    for engine in (ours_engine, stock_engine):
+        request = engine.request("r", num_tokens)
+        if any(chunks):
+            engine.store(request, chunks)
+        tokens, counter = counted_hit(engine, request)
+        runs.append((tokens, counter.calls))
+    (ours, our_calls), (stock_hit, stock_calls) = runs
+    assert not our_calls or max(our_calls.values()) == 1
+    if ours == stock_hit:
+        assert set(our_calls) <= set(stock_calls)
+    present = presence(plan, num_tokens, chunks)
+    if ours:
+        assert hit_is_valid(plan, num_tokens, 0, present, ours)
+    if stock_hit and hit_is_valid(plan, num_tokens, 0, present, stock_hit):
+        assert ours >= stock_hit

@@ -59,6 +59,25 @@ with supported_vllm_api():
     from vllm.v1.kv_offload.base import LookupResult
 
 
+class _LookupMemo:
+    """vLLM's offloading manager for the span of one lookup: each key is asked once and
+    its answer kept, so vLLM's scan and the planner after it share them. Everything but
+    ``lookup`` goes to the manager itself."""
+
+    def __init__(self, manager: Any) -> None:
+        self.manager = manager
+        self._answers: dict[Any, Any] = {}
+
+    def lookup(self, key: Any, req_context: Any) -> Any:
+        answer = self._answers.get(key)
+        if answer is None:
+            answer = self._answers[key] = self.manager.lookup(key, req_context)
+        return answer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.manager, name)
+
+
 class TritonOffloadingConnectorScheduler(OffloadingConnectorScheduler):  # type: ignore[misc]
     """vLLM's connector scheduler whose complete-chunk lookup is the planner's.
 
@@ -76,13 +95,30 @@ class TritonOffloadingConnectorScheduler(OffloadingConnectorScheduler):  # type:
 
     triton_plan: OffloadPlan
     triton_invalid_stock_hits: int
+    _triton_min_load: int
 
     def _triton_setup(self, plan: OffloadPlan) -> None:
         self.triton_plan = plan
         self.triton_invalid_stock_hits = 0
+        # vLLM returns 0 when a hit adds fewer tokens than some group's chunk: every
+        # group is visited, so the smallest hit it loads is the largest chunk.
+        self._triton_min_load = max((g.tokens_per_chunk for g in plan.groups), default=0)
 
     def _lookup_complete_chunks(
         self, req_status: Any, max_num_new_tokens: int | None = None
+    ) -> int | None:
+        # One lookup asks the manager once per key: vLLM's scan (which may revisit a
+        # key while groups cut the hit) and the planner after it share the answers. With
+        # the tiering manager a lookup can start a promotion, so a second ask is not free.
+        memo = _LookupMemo(self.manager)
+        self.manager = memo
+        try:
+            return self._planned_lookup(req_status, max_num_new_tokens, memo)
+        finally:
+            self.manager = memo.manager
+
+    def _planned_lookup(
+        self, req_status: Any, max_num_new_tokens: int | None, memo: _LookupMemo
     ) -> int | None:
         stock = super()._lookup_complete_chunks(req_status, max_num_new_tokens)
         if stock is None:
@@ -97,9 +133,20 @@ class TritonOffloadingConnectorScheduler(OffloadingConnectorScheduler):  # type:
         if req_status.max_load_tokens is not None:
             limit = computed + req_status.max_load_tokens
             cap = limit if cap is None else min(cap, limit)
+        # The hit bound vLLM checks before asking the manager: the windowed groups' last
+        # token recomputed, the caps, every group's whole chunks, the Mamba grid.
+        bound = num_tokens - (1 if plan.windowed_group_order else 0)
+        if cap is not None:
+            bound = min(bound, cap)
+        for group in plan.groups:
+            bound = min(bound, num_tokens // group.tokens_per_chunk * group.tokens_per_chunk)
+        if plan.mamba_align_tokens is not None:
+            bound -= bound % plan.mamba_align_tokens
+        if bound - computed < self._triton_min_load:
+            return 0  # vLLM's minimum load, decided before any lookup as vLLM does
         presence = [
             LazyPresence(
-                self.manager,
+                memo,
                 state.offload_keys[: num_tokens // group.tokens_per_chunk],
                 req_status.req_context,
                 LookupResult.HIT,
@@ -107,6 +154,10 @@ class TritonOffloadingConnectorScheduler(OffloadingConnectorScheduler):  # type:
             for state, group in zip(req_status.group_states, plan.groups, strict=True)
         ]
         hit = plan.lookup(num_tokens, computed, presence, max_hit_end=cap)
+        if hit < self._triton_min_load:
+            # vLLM's minimum load: a hit adding less than a chunk of any group is
+            # skipped (a small load costs a job and lookups for a few tokens).
+            hit = 0
         if stock > hit:
             problem = hit_end_problem(plan, num_tokens, computed, presence, computed + stock)
             if problem is None:
