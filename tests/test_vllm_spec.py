@@ -677,3 +677,47 @@ def test_every_abstract_method_of_vllm_is_implemented_here(tv: Any) -> None:
             ours = inspect.signature(getattr(cls, name)).parameters
             theirs = inspect.signature(getattr(base, name)).parameters
             assert list(ours)[: len(theirs)] == list(theirs), (cls.__name__, name)
+
+
+# ------------------------------------------------- where vLLM's CPU spec differs
+
+
+@needs_vllm
+def test_missing_cpu_bytes_is_refused_in_vllms_words(tv: Any) -> None:
+    from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+
+    config = _config()
+    del config.extra_config["cpu_bytes_to_use"]
+    with pytest.raises(Exception) as theirs:
+        CPUOffloadingSpec(config)
+    with pytest.raises(ValueError) as ours:
+        tv.TritonOffloadingSpec(config)
+    assert str(ours.value).startswith(str(theirs.value))
+    assert "kv_connector_extra_config" in str(ours.value)
+
+
+@needs_vllm
+def test_no_kv_bytes_builds_an_empty_worker_as_vllm_does(tv: Any) -> None:
+    """``worker_kv_bytes_per_block == 0`` (nothing to offload on this worker): vLLM's CPU
+    spec counts no chunk and still builds a worker; so does this spec, mapping nothing."""
+    from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+
+    config = _config(worker_kv_bytes_per_block=0)
+    spec = tv.TritonOffloadingSpec(config)
+    assert spec.num_chunks == CPUOffloadingSpec(config).num_chunks == 0
+    worker = spec.get_worker(CanonicalKVCaches([], [[], []]))
+    assert isinstance(worker, tv.TritonOffloadingWorker)
+    assert worker.engine is None and worker.region is None
+    assert worker.get_finished() == []
+    worker.shutdown()
+
+
+@needs_vllm
+def test_rocm_is_refused_naming_the_platform(tv: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM keeps its CPU buffer private per rank on ROCm (no shared region there); this
+    backend's host pool is the shared region, so it refuses ROCm when the spec is built."""
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(current_platform, "is_rocm", lambda: True)
+    with pytest.raises(ValueError, match="ROCm"):
+        tv.TritonOffloadingSpec(_config())

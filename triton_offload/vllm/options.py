@@ -81,6 +81,13 @@ class EngineOptions:
 
 
 def validate_cpu_bytes(extra: Mapping[str, Any]) -> None:
+    """``cpu_bytes_to_use``: required (vLLM's own words when missing), a positive integer."""
+    if "cpu_bytes_to_use" not in extra:
+        # vLLM's CPU spec says exactly this; a user switching backends sees the same line.
+        raise ValueError(
+            "cpu_bytes_to_use must be specified in kv_connector_extra_config (host bytes "
+            "for all workers of the engine together)"
+        )
     cpu_bytes = extra.get("cpu_bytes_to_use")
     if isinstance(cpu_bytes, bool) or not isinstance(cpu_bytes, (int, float, str)):
         raise ValueError(

@@ -76,6 +76,7 @@ from triton_offload.vllm.tiers import check_secondary_tiers, storage_layout_tag
 from triton_offload.vllm.worker import TritonOffloadingWorker
 
 with supported_vllm_api():
+    from vllm.platforms import current_platform
     from vllm.v1.kv_offload.base import CanonicalKVCaches
     from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
     from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
@@ -97,6 +98,15 @@ class TritonWorkerSide:
     replicated_layout: bool
 
     def __init__(self, config: Any) -> None:
+        if current_platform.is_rocm():
+            # vLLM's CPU spec keeps a private per-rank buffer on ROCm instead of the
+            # shared region; this backend's pool is that region and its DMA path calls
+            # the CUDA driver, so it does not run there.
+            raise ValueError(
+                f"{type(self).__name__} does not support ROCm: its host pool is vLLM's "
+                "shared region, which vLLM does not use on ROCm, and its copy paths are "
+                "CUDA's; use vLLM's CPUOffloadingSpec on ROCm"
+            )
         extra = config.extra_config
         validate_cpu_bytes(extra)
         if config.canonical_layout or extra.get("canonical_layout"):
@@ -113,8 +123,10 @@ class TritonWorkerSide:
         self._triton_worker: Any = None
 
     def _uses_shared_region(self) -> bool:
-        # Every platform uses vLLM's shared region, so the single-copy layout
-        # for replicated (MLA) pages holds everywhere, as in vLLM's tiering spec.
+        # vLLM's shared region on every platform this backend runs on (CUDA, and the CPU
+        # path), so the single-copy layout for replicated (MLA) pages holds everywhere,
+        # as in vLLM's tiering spec. ROCm, where vLLM keeps a private buffer per rank,
+        # is refused in __init__.
         return True
 
     def get_manager(self) -> Any:
@@ -200,17 +212,19 @@ class TritonWorkerSide:
             )
         name = type(self).__name__
         rank = int(self.config.parallel.rank)
-        if num_groups == 0:
+        if num_groups == 0 or self.config.worker_kv_bytes_per_block == 0:
+            # vLLM's CPU spec counts no chunk and still builds a worker here.
             logger.info(
-                "%s (triton_offload %s): worker rank %d has no KV cache group "
-                "(attention-free model): nothing to offload, no host memory mapped",
+                "%s (triton_offload %s): worker rank %d has no KV cache bytes to offload "
+                "(%s): no host memory mapped",
                 name,
                 __version__,
                 rank,
+                "attention-free model" if num_groups == 0 else "worker_kv_bytes_per_block 0",
             )
             return TritonOffloadingWorker(
                 None,
-                num_groups=0,
+                num_groups=num_groups,
                 stage_groups=(),
                 blocks_per_chunk=self.blocks_per_chunk,
                 num_chunks=self.num_chunks,
