@@ -555,3 +555,35 @@ def test_cuda_path_reports_an_interrupted_job_failed_with_stand_ins(
     engine.wait(["cut"])  # its end was recorded: wait returns
     assert [(r.job_id, r.success) for r in engine.get_finished()] == [("cut", False)]
     assert engine.get_finished() == []
+
+
+@pytest.mark.parametrize("interrupt_at", [1, 2, 3])
+def test_an_interrupt_inside_get_finished_loses_no_result(
+    monkeypatch: pytest.MonkeyPatch, interrupt_at: int
+) -> None:
+    """A KeyboardInterrupt while get_finished turns finished jobs into results (after it
+    took them off its queues) loses none: the next call reports every one, once."""
+    from triton_offload.transfer import engine as engine_module
+
+    cache = random_tensor(NUM_BLOCKS, 64)
+    engine = TransferEngine(plan(), [[cache]], ROWS, backend="torch")
+    for job in range(3):
+        assert engine.submit_store(job, gpu_blocks=[[job]], host_blocks=[[job]])
+    original = engine_module._Job.result
+    calls = {"n": 0}
+
+    def interrupted(self: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == interrupt_at:
+            raise KeyboardInterrupt
+        return original(self)
+
+    monkeypatch.setattr(engine_module._Job, "result", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        engine.get_finished()
+    monkeypatch.undo()
+    results = engine.get_finished()
+    assert sorted(r.job_id for r in results) == [0, 1, 2]
+    assert all(r.success for r in results)
+    assert engine.get_finished() == []
+    engine.wait([])  # nothing in flight, nothing pending

@@ -322,8 +322,10 @@ class TransferEngine:
         self._active: dict[Hashable, _Job] = {}
         self._queues: dict[int, deque[_Job]] = {lane: deque() for lane in _LANES}
         self._finished: deque[_Job] = deque()  # CPU: completed, in completion order
+        # Finished jobs a get_finished call took but could not return (interrupted).
+        self._undelivered: list[_Job] = []
         self._closed = False
-        # Guards the job books (_active, _queues, _finished, _closed) and, on CUDA, the
+        # Guards the job books (_active, _queues, _finished, _undelivered, _closed) and, on CUDA, the
         # enqueue of a job together with its place in the FIFO queue. Reentrant: the
         # calibration submits jobs through _submit.
         self._lock = threading.RLock()
@@ -582,8 +584,9 @@ class TransferEngine:
         Each accepted job is reported exactly once, and only after its bytes landed
         (CUDA: its end event completed; CPU: its copy returned).
         """
-        done: list[_Job] = []
         with self._lock:
+            # Jobs an interrupted call took off the queues come first, in their order.
+            done, self._undelivered = self._undelivered, []
             if self.cuda:
                 for queue in self._queues.values():
                     while queue and queue[0].done():
@@ -591,13 +594,22 @@ class TransferEngine:
             else:
                 done.extend(self._finished)
                 self._finished.clear()
-            for job in done:
-                del self._active[job.job_id]
         results = []
-        for job in done:
-            job.holds.keep_alive.clear()
-            results.append(job.result())
-        return results
+        try:
+            for job in done:
+                job.holds.keep_alive.clear()
+                results.append(job.result())
+            with self._lock:
+                for job in done:
+                    self._active.pop(job.job_id, None)
+            return results
+        except BaseException:
+            # A KeyboardInterrupt before the return must not lose these jobs: none of
+            # their results reached the caller, so the next call reports them.
+            with self._lock:
+                self._undelivered = done + self._undelivered
+                self._active.update((job.job_id, job) for job in done)
+            raise
 
     def wait(self, job_ids: Iterable[Hashable]) -> None:
         """Block until the given jobs finished (their results stay for get_finished).

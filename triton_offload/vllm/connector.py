@@ -97,6 +97,20 @@ class TritonOffloadingConnectorScheduler(OffloadingConnectorScheduler):  # type:
     triton_invalid_stock_hits: int
     _triton_min_load: int
 
+    def __init__(self, spec: Any, vllm_config: Any, kv_cache_config: Any) -> None:
+        """Built directly (as vLLM's own tests build its scheduler), the plan comes from
+        the same cache specs and is span-checked against the spec's ``OffloadingConfig``;
+        ``TritonOffloadingConnector`` plans once and gives vLLM's scheduler this class."""
+        super().__init__(spec, vllm_config, kv_cache_config)
+        plan = plan_from_kv_cache_config(
+            kv_cache_config,
+            get_offloading_group_ids(kv_cache_config),
+            vllm_config.parallel_config,
+            int(spec.config.cache.blocks_per_chunk),
+        )
+        check_spans(plan, spec.config)
+        self._triton_setup(plan)
+
     def _triton_setup(self, plan: OffloadPlan) -> None:
         self.triton_plan = plan
         self.triton_invalid_stock_hits = 0

@@ -183,23 +183,22 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
                 )
             )
 
-    def _replicas_done(self) -> list[Any]:
-        done = []
+    def _collect_replicas(self) -> None:
         for job_id, chunks in list(self._replica_jobs.items()):
             status = self.ledger.status(chunks, int(job_id))
             if status is not None:
-                del self._replica_jobs[job_id]
                 # This rank moved no byte: size and time 0 keep vLLM's store
-                # throughput metrics to the writer's real copies.
-                done.append(TransferResult(job_id, status, 0, 0.0))
-        return done
+                # throughput metrics to the writer's real copies. Queued before the
+                # job leaves the books, so an interrupt between the two loses nothing.
+                self._ready.append(TransferResult(job_id, status, 0, 0.0))
+                del self._replica_jobs[job_id]
 
     def get_finished(self) -> list[Any]:
         self._drain_engine()
-        results = self._empty_jobs + self._ready
-        self._empty_jobs, self._ready = [], []
         if self._replica_jobs:
-            results += self._replicas_done()
+            self._collect_replicas()
+        # One assignment hands the results over: an interrupt before it keeps them all.
+        results, self._empty_jobs, self._ready = self._empty_jobs + self._ready, [], []
         return results
 
     def wait(self, job_ids: Iterable[int]) -> None:

@@ -1,0 +1,111 @@
+"""pytest plugin: run vLLM's own offloading tests with this project's classes substituted.
+
+Loaded by ``ci/vllm_suite.sh`` as ``-p vllm_suite_plugin``; it edits no test. The mode
+comes from ``TRITON_OFFLOAD_SUITE_MODE``:
+
+- ``connector``: vLLM's ``OffloadingConnector`` and ``OffloadingConnectorScheduler`` are
+  ``TritonOffloadingConnector`` and its scheduler (by factory name and module attribute),
+  so every scheduler test runs the planner's lookups.
+- ``spec``: vLLM's ``CPUOffloadingSpec`` and ``TieringOffloadingSpec`` are
+  ``TritonOffloadingSpec`` and ``TritonTieringOffloadingSpec`` (by factory name and
+  module attribute), so every spec a test builds moves bytes through this project.
+
+Tests listed in ``ci/vllm_suite_expected_failures.txt`` for the mode are marked
+``xfail(strict=True)`` with the listed reason: one that passes fails the run, so the
+list cannot go stale.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+MODES = ("connector", "spec")
+EXPECTED = Path(__file__).with_name("vllm_suite_expected_failures.txt")
+
+
+def _mode() -> str:
+    mode = os.environ.get("TRITON_OFFLOAD_SUITE_MODE", "")
+    if mode not in MODES:
+        raise pytest.UsageError(f"TRITON_OFFLOAD_SUITE_MODE {mode!r} is not one of {MODES}")
+    return mode
+
+
+def expected_failures(mode: str) -> dict[str, str]:
+    """``node id -> reason`` for ``mode``; lines are ``mode | node id | reason``."""
+    found: dict[str, str] = {}
+    for number, line in enumerate(EXPECTED.read_text().splitlines(), 1):
+        if not line.strip() or line.startswith("#"):
+            continue
+        parts = [part.strip() for part in line.split("|")]
+        if len(parts) != 3 or not all(parts) or parts[0] not in MODES:
+            raise pytest.UsageError(f"{EXPECTED.name}:{number}: want 'mode | node id | reason'")
+        if parts[0] == mode:
+            found[parts[1]] = parts[2]
+    return found
+
+
+def _substitute_connector() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1 import offloading_connector
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading import scheduler
+
+    from triton_offload.vllm.connector import (
+        TritonOffloadingConnector,
+        TritonOffloadingConnectorScheduler,
+    )
+
+    scheduler.OffloadingConnectorScheduler = TritonOffloadingConnectorScheduler
+    offloading_connector.OffloadingConnectorScheduler = TritonOffloadingConnectorScheduler
+    offloading_connector.OffloadingConnector = TritonOffloadingConnector
+    KVConnectorFactory._registry["OffloadingConnector"] = lambda: TritonOffloadingConnector
+
+
+def _substitute_specs() -> None:
+    from vllm.v1.kv_offload.cpu import spec as cpu_spec
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+    from vllm.v1.kv_offload.tiering import spec as tiering_spec
+
+    from triton_offload.vllm.spec import TritonOffloadingSpec, TritonTieringOffloadingSpec
+
+    cpu_spec.CPUOffloadingSpec = TritonOffloadingSpec
+    tiering_spec.TieringOffloadingSpec = TritonTieringOffloadingSpec
+    OffloadingSpecFactory._registry["CPUOffloadingSpec"] = lambda: TritonOffloadingSpec
+    OffloadingSpecFactory._registry["TieringOffloadingSpec"] = lambda: TritonTieringOffloadingSpec
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    mode = _mode()
+    # Before any test module imports vLLM's names: the tests see this project's classes.
+    if mode == "connector":
+        _substitute_connector()
+    else:
+        _substitute_specs()
+    config.stash[_EXPECTED_KEY] = expected_failures(mode)
+    config.stash[_SEEN_KEY] = set()
+
+
+_EXPECTED_KEY = pytest.StashKey[dict[str, str]]()
+_SEEN_KEY = pytest.StashKey[set[str]]()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    expected = config.stash[_EXPECTED_KEY]
+    seen = config.stash[_SEEN_KEY]
+    for item in items:
+        reason = expected.get(item.nodeid)
+        if reason is not None:
+            seen.add(item.nodeid)
+            item.add_marker(pytest.mark.xfail(reason=reason, strict=True))
+
+
+def pytest_terminal_summary(terminalreporter: object, config: pytest.Config) -> None:
+    unseen = sorted(set(config.stash[_EXPECTED_KEY]) - config.stash[_SEEN_KEY])
+    if unseen and not config.option.keyword and not config.option.markexpr:
+        # A listed test that no longer exists is a stale entry: say so, loudly.
+        reporter = terminalreporter
+        reporter.write_line(  # type: ignore[attr-defined]
+            f"vllm_suite_plugin: {len(unseen)} expected failure(s) not collected: {unseen}"
+        )
