@@ -325,9 +325,9 @@ class TransferEngine:
         # Finished jobs a get_finished call took but could not return (interrupted).
         self._undelivered: list[_Job] = []
         self._closed = False
-        # Guards the job books (_active, _queues, _finished, _undelivered, _closed) and, on CUDA, the
-        # enqueue of a job together with its place in the FIFO queue. Reentrant: the
-        # calibration submits jobs through _submit.
+        # Guards the job books (_active, _queues, _finished, _undelivered, _closed) and,
+        # on CUDA, the enqueue of a job together with its place in the FIFO queue.
+        # Reentrant: the calibration submits jobs through _submit.
         self._lock = threading.RLock()
         # CPU: one job per lane copies at a time (the CUDA streams' FIFO order);
         # copies run outside _lock so that get_finished never waits for a copy.
