@@ -180,7 +180,7 @@ def test_block_lists_cannot_be_given_by_position(engine: TransferEngine) -> None
     assert_rejected(
         engine,
         lambda: engine.submit_store(1, [[0], []], [[0], []]),  # type: ignore[arg-type, misc]
-        "takes from 2 to 3 positional arguments|must be a JobSpec",
+        "submit_store takes the job as a JobSpec or as keywords gpu_blocks=, host_blocks=",
     )
     assert_rejected(
         engine,
@@ -257,3 +257,47 @@ def test_a_valid_crossover_is_accepted_on_cpu() -> None:
     )
     assert engine.backend == "torch"
     engine.shutdown()
+
+
+# ------------------------------------------- errors in the project's own words
+
+
+def _small_engine(**options: Any) -> TransferEngine:
+    from triton_offload import GroupSpec, plan_offload
+
+    plan = plan_offload([GroupSpec("full_attention", 16)])
+    return TransferEngine(plan, [[torch.zeros(8, 64, dtype=torch.uint8)]], 4, **options)
+
+
+def test_pool_piece_bytes_is_named_as_the_argument() -> None:
+    with pytest.raises(ValueError, match=r"^pool_piece_bytes 0 must be >= 1"):
+        _small_engine(backend="torch", pool_piece_bytes=0)
+
+
+def test_a_positional_block_list_is_refused_naming_the_keywords() -> None:
+    engine = _small_engine(backend="torch")
+    with pytest.raises(TypeError, match=r"submit_store.*gpu_blocks=.*host_blocks="):
+        engine.submit_store("a", [[0]], [[1]])  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match=r"submit_load.*gpu_blocks=.*host_blocks="):
+        engine.submit_load("b", [[0]], [[1]])  # type: ignore[call-arg]
+    assert engine.submit_store("a", gpu_blocks=[[0]], host_blocks=[[1]])  # still usable
+    assert [r.success for r in engine.get_finished()] == [True]
+
+
+def test_ids_on_the_meta_device_are_refused_naming_them() -> None:
+    engine = _small_engine(backend="torch")
+    meta = torch.tensor([0], device="meta")
+    with pytest.raises(ValueError, match=r"gpu_blocks\[0\] is a tensor on the meta device"):
+        engine.submit_store("m", gpu_blocks=[meta], host_blocks=[[1]])
+
+
+def test_pool_view_of_a_missing_plane_names_the_range() -> None:
+    engine = _small_engine(backend="torch")
+    with pytest.raises(ValueError, match=r"plane index 99 out of range \[0, 1\)"):
+        engine.pool_view(99)
+
+
+def test_ids_beyond_int64_are_named_as_such() -> None:
+    engine = _small_engine(backend="torch")
+    with pytest.raises(ValueError, match=r"gpu_blocks\[0\] id 9223372036854775808 does not fit"):
+        engine.submit_store("d", gpu_blocks=[[2**63, -1]], host_blocks=[[1, 2]])

@@ -184,6 +184,18 @@ def _path_name(assignment: Assignment) -> str:
     return "+".join(name for name, _ in assignment)
 
 
+def _refuse_positional_lists(method: str, extra: tuple[Any, ...]) -> None:
+    """Two block lists given by position are refused in this project's words (one list
+    is refused by ``JobSpec.of``): a store's and a load's lists swapped by position would
+    copy silently in the wrong direction."""
+    if extra:
+        given = 1 + len(extra)
+        raise TypeError(
+            f"{method} takes the job as a JobSpec or as keywords gpu_blocks=, host_blocks= "
+            f"(and first_block_index=), not as {given} positional block list(s)"
+        )
+
+
 def _checked_device(cache_device: torch.device, device: torch.device | str | None) -> torch.device:
     """The engine's device: the caches' own; a ``device`` given must name the same one."""
     wanted = cache_device if device is None else torch.device(device)
@@ -260,6 +272,7 @@ class TransferEngine:
             raise TypeError(f"num_host_blocks must be an int, got {num_host_blocks!r}")
         if num_host_blocks < 1:
             raise ValueError(f"num_host_blocks {num_host_blocks} must be >= 1")
+        check_int("pool_piece_bytes", pool_piece_bytes, 1)
         if num_programs is not None:
             # Checked on every backend: 0 or -3 launched an empty grid on the kernel path
             # (every job "succeeded", nothing moved) and "4" failed every job later.
@@ -409,7 +422,7 @@ class TransferEngine:
         self,
         job_id: Hashable,
         spec: JobSpec | None = None,
-        *,
+        *positional_lists: Any,
         gpu_blocks: Sequence[Any] | None = None,
         host_blocks: Sequence[Any] | None = None,
         first_block_index: Sequence[int] | None = None,
@@ -419,6 +432,7 @@ class TransferEngine:
         The job is a ``JobSpec`` or the keyword lists ``gpu_blocks=``, ``host_blocks=``
         (and optionally ``first_block_index=``), one entry per group.
         """
+        _refuse_positional_lists("submit_store", positional_lists)
         spec = JobSpec.of(
             spec,
             gpu_blocks=gpu_blocks,
@@ -431,7 +445,7 @@ class TransferEngine:
         self,
         job_id: Hashable,
         spec: JobSpec | None = None,
-        *,
+        *positional_lists: Any,
         gpu_blocks: Sequence[Any] | None = None,
         host_blocks: Sequence[Any] | None = None,
         first_block_index: Sequence[int] | None = None,
@@ -447,6 +461,7 @@ class TransferEngine:
         regular load and an expedited one must not write the same GPU blocks unless
         the caller waits for the first (as for a store and a load of one host row).
         """
+        _refuse_positional_lists("submit_load", positional_lists)
         if not isinstance(expedited, bool):
             raise TypeError(f"expedited must be a bool, got {expedited!r}")
         spec = JobSpec.of(
@@ -652,7 +667,11 @@ class TransferEngine:
 
     def pool_view(self, plane_index: int) -> torch.Tensor:
         """uint8 ``[num_host_blocks, blocks_per_chunk, page_bytes]`` view of one plane."""
-        return pool_plane_view(self.pool, self.layout.planes[plane_index], self.blocks_per_chunk)
+        planes = self.layout.planes
+        index = check_int("plane_index", plane_index, 0)
+        if index >= len(planes):
+            raise ValueError(f"plane index {index} out of range [0, {len(planes)})")
+        return pool_plane_view(self.pool, planes[index], self.blocks_per_chunk)
 
     @property
     def last_job_table_size(self) -> int:

@@ -41,11 +41,23 @@ FROM_POOL = Direction.FROM_POOL
 DIRECTION_NAMES = {TO_POOL: "store", FROM_POOL: "load"}
 
 
+def _first_int_beyond_int64(values: Any) -> int | None:
+    """The first Python int of ``values`` outside int64 (numpy turns such a list into
+    floats or objects, whose dtype alone would misname the problem)."""
+    if isinstance(values, (list, tuple)):
+        for value in values:
+            if isinstance(value, int) and not -(2**63) <= value < 2**63:
+                return value
+    return None
+
+
 def _ids(values: Any, what: str, kind: str, group: int) -> np.ndarray:
     """A read-only 1-d int64 array of non-negative ids; ValueError/TypeError naming ``what``."""
     if isinstance(values, (str, bytes)) or values is None:
         raise TypeError(f"{what} must be a sequence of integer ids, got {values!r}")
     if isinstance(values, torch.Tensor):
+        if values.is_meta:
+            raise ValueError(f"{what} is a tensor on the meta device (no data): ids must be real")
         values = values.detach().cpu().numpy()
     elif isinstance(values, (list, tuple)) and not _BOOL_TYPES.isdisjoint(map(type, values)):
         # np.asarray([True, 7]) is the int array [1, 7]: True would name block 1.
@@ -61,6 +73,9 @@ def _ids(values: Any, what: str, kind: str, group: int) -> np.ndarray:
         raise ValueError(f"{what} must be a 1-d sequence of ids, got shape {array.shape}")
     elif array.dtype != np.int64:
         if array.dtype.kind not in "iu" or array.dtype == np.bool_:
+            too_big = _first_int_beyond_int64(values)
+            if too_big is not None:
+                raise ValueError(f"{what} id {too_big} does not fit in a 64-bit signed id")
             raise TypeError(f"{what} must hold integer ids, got {array.dtype}: {array[:8]!r}")
         if array.dtype.kind == "u" and int(array.max()) > _INT64_MAX:
             raise ValueError(f"{what}: id {int(array.max())} out of range")
