@@ -552,3 +552,33 @@ def test_ranks_sharing_rows_calibrate_on_their_own_slice(
         spec.get_worker(Caches().canonical)
     (call,) = calls
     assert call["calibration_rows"] == ((rank, world_size) if replicated else (0, 1))
+
+
+def test_a_non_writer_stops_waiting_for_a_writer_that_never_publishes() -> None:
+    """Replicated layout, rank 0 died before copying: another rank's wait() on that store
+    returns after the bound (``replicated_store_timeout_s``) and the job is reported
+    failed, once; the worker keeps serving."""
+    config = make_config(world_size=2, rank=1, replicated=True)
+    config.extra_config["replicated_store_timeout_s"] = 0.2
+    spec = tv.TritonOffloadingSpec(config)
+    worker = spec.get_worker(Caches().canonical)
+    try:
+        job = GPULoadStoreSpec([0, 1], group_sizes=[2, 0], block_indices=[0, 0])
+        assert worker.submit_store(7, job, CPULoadStoreSpec([0]))
+        assert worker.get_finished() == []  # within the bound: still waiting
+        worker.wait([7])  # returns once the bound passed
+        assert [(r.job_id, r.success) for r in worker.get_finished()] == [(7, False)]
+        assert worker.get_finished() == []
+        assert worker.submit_store(8, job, CPULoadStoreSpec([1]))
+        worker.ledger.publish(np.array([1]), 8, True)
+        assert [(r.job_id, r.success) for r in worker.get_finished()] == [(8, True)]
+    finally:
+        worker.shutdown()
+
+
+@pytest.mark.parametrize("value", [0, -1, "5", True])
+def test_the_replicated_store_timeout_is_checked(value: object) -> None:
+    config = make_config(world_size=2, rank=1, replicated=True)
+    config.extra_config["replicated_store_timeout_s"] = value
+    with pytest.raises((TypeError, ValueError), match="replicated_store_timeout_s"):
+        tv.TritonOffloadingSpec(config)

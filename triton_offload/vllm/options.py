@@ -16,7 +16,7 @@ from triton_offload.transfer.jobs import FROM_POOL, TO_POOL
 from triton_offload.transfer.selection import parse_crossover
 
 #: Extra-config keys read by this backend on top of vLLM's CPU spec keys.
-EXTRA_CONFIG_KEYS = ("backend", "num_programs", "crossover")
+EXTRA_CONFIG_KEYS = ("backend", "num_programs", "crossover", "replicated_store_timeout_s")
 BACKENDS = ("auto", "triton", "dma", "torch")
 
 
@@ -59,12 +59,17 @@ class EngineOptions:
     CUDA), "triton", "dma" or "torch" (CPU caches only). ``num_programs``: Triton grid
     size (None = the launcher's default). ``crossover``: page bytes at or above which
     "auto" uses DMA for a plane, an int >= 0 or ``{"store": int, "load": int}``; None =
-    measured when the worker starts.
+    measured when the worker starts. ``replicated_store_timeout_s``: under the
+    replicated layout, how long a rank that copies nothing waits for rank 0 to publish
+    a store before reporting it failed (rank 0 may have died).
     """
 
     backend: Backend = "auto"
     num_programs: int | None = None
     crossover: int | Mapping[str, int] | None = None
+    #: Rank 0 publishes a store once its copy finished: a copy of a whole job is far
+    #: below a second at PCIe speed, so a minute means the writer is gone, not slow.
+    replicated_store_timeout_s: float = 60.0
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> EngineOptions:
@@ -77,7 +82,18 @@ class EngineOptions:
         if num_programs is not None:
             num_programs = _positive_int("num_programs", num_programs)
         crossover = _crossover_option(extra.get("crossover"))
-        return cls(backend=backend, num_programs=num_programs, crossover=crossover)
+        timeout = extra.get("replicated_store_timeout_s", cls.replicated_store_timeout_s)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(
+                "kv_connector_extra_config['replicated_store_timeout_s'] must be a positive "
+                f"number of seconds, got {timeout!r}"
+            )
+        return cls(
+            backend=backend,
+            num_programs=num_programs,
+            crossover=crossover,
+            replicated_store_timeout_s=float(timeout),
+        )
 
 
 def validate_cpu_bytes(extra: Mapping[str, Any]) -> None:

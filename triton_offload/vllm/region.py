@@ -366,17 +366,24 @@ def check_ledger_job_id(job_id: Any, what: str) -> int:
     return int(job_id)
 
 
-def wait_until(check: Callable[[], bool], what: str, warn_after: float = 30.0) -> None:
-    """Poll ``check`` with a short backoff until it is true; warn once if it takes long."""
+def wait_until(
+    check: Callable[[], bool], what: str, warn_after: float = 30.0, deadline: float | None = None
+) -> bool:
+    """Poll ``check`` with a short backoff until it is true (True) or ``time.monotonic()``
+    passes ``deadline`` (False); warn once if it takes long."""
     start = time.monotonic()
     delay = 20e-6
     warned = False
     while not check():
-        time.sleep(delay)
+        now = time.monotonic()
+        if deadline is not None and now >= deadline:
+            return False
+        time.sleep(delay if deadline is None else min(delay, max(deadline - now, 0.0)))
         delay = min(delay * 2, 1e-3)
         if not warned and time.monotonic() - start > warn_after:
             warned = True
             logger.warning("still waiting after %.0f s for %s", warn_after, what)
+    return True
 
 
 __all__ = [

@@ -306,6 +306,7 @@ class TritonWorkerSide:
             writer=region_plan.writer,
             ledger=ledger,
             cuda_api=api_used,
+            replicated_store_timeout_s=self.engine_options.replicated_store_timeout_s,
         )
 
 

@@ -9,13 +9,14 @@ rank learns of rank 0's stores from the region's store ledger
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 
 from triton_offload.transfer.jobs import TO_POOL
-from triton_offload.vllm.compat import supported_vllm_api
+from triton_offload.vllm.compat import logger, supported_vllm_api
 from triton_offload.vllm.convert import split_job
 from triton_offload.vllm.region import check_ledger_job_id, release_region, wait_until
 
@@ -59,6 +60,7 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
         writer: bool = True,
         ledger: Any = None,
         cuda_api: Any = None,
+        replicated_store_timeout_s: float = 60.0,
     ) -> None:
         self.engine = engine
         self.num_groups = num_groups
@@ -73,7 +75,9 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
         # Jobs accepted and not yet reported, by kind.
         self._engine_jobs: set[Any] = set()
         self._published: dict[Any, Any] = {}  # writer: job id -> chunks to publish
-        self._replica_jobs: dict[Any, Any] = {}  # non-writer: job id -> chunks
+        # Non-writer: job id -> (chunks, time.monotonic() after which rank 0 is given up).
+        self._replica_jobs: dict[Any, tuple[Any, float]] = {}
+        self.replicated_store_timeout_s = replicated_store_timeout_s
         self._empty_jobs: list[Any] = []  # jobs that move nothing on this worker
         self._ready: list[Any] = []  # engine results drained by wait()
 
@@ -138,7 +142,8 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
         if not self.writer:
             # Same checks as a real store (the ids, the slots, aliasing), no copy.
             self.engine.build_job_table(job, TO_POOL)
-            self._replica_jobs[job_id] = chunks
+            deadline = time.monotonic() + self.replicated_store_timeout_s
+            self._replica_jobs[job_id] = (chunks, deadline)
             return True
         accepted = bool(self.engine.submit_store(job_id, job))
         if accepted:
@@ -184,8 +189,19 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
             )
 
     def _collect_replicas(self) -> None:
-        for job_id, chunks in list(self._replica_jobs.items()):
+        now = time.monotonic()
+        for job_id, (chunks, deadline) in list(self._replica_jobs.items()):
             status = self.ledger.status(chunks, int(job_id))
+            if status is None and now >= deadline:
+                # Rank 0 never published this store (it died, or hangs): waiting on
+                # would hang this rank too. Its chunks are not known to hold the bytes.
+                logger.warning(
+                    "replicated layout: rank 0 did not publish store job %r within %.1f s; "
+                    "reporting it failed on this rank",
+                    job_id,
+                    self.replicated_store_timeout_s,
+                )
+                status = False
             if status is not None:
                 # This rank moved no byte: size and time 0 keep vLLM's store
                 # throughput metrics to the writer's real copies. Queued before the
@@ -209,14 +225,20 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
             self._drain_engine()
         replica_ids = [job_id for job_id in ids if job_id in self._replica_jobs]
         if replica_ids:
+            jobs = [self._replica_jobs[job_id] for job_id in replica_ids]
 
             def writer_done() -> bool:
                 return all(
-                    self.ledger.status(self._replica_jobs[job_id], int(job_id)) is not None
-                    for job_id in replica_ids
+                    self.ledger.status(chunks, int(job_id)) is not None
+                    for job_id, (chunks, _) in zip(replica_ids, jobs, strict=True)
                 )
 
-            wait_until(writer_done, f"rank 0's stores {replica_ids} (replicated layout)")
+            # Bounded: a job rank 0 never publishes is reported failed by get_finished.
+            wait_until(
+                writer_done,
+                f"rank 0's stores {replica_ids} (replicated layout)",
+                deadline=max(deadline for _, deadline in jobs),
+            )
 
     def shutdown(self) -> None:
         if self._closed:
