@@ -582,3 +582,25 @@ def test_the_replicated_store_timeout_is_checked(value: object) -> None:
     config.extra_config["replicated_store_timeout_s"] = value
     with pytest.raises((TypeError, ValueError), match="replicated_store_timeout_s"):
         tv.TritonOffloadingSpec(config)
+
+
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt, SystemExit])
+def test_no_region_file_is_left_when_start_up_is_interrupted_at_the_barrier(
+    interrupt: type[BaseException],
+) -> None:
+    """A rank interrupted while it waits at the workers' barrier (Ctrl-C, or SIGTERM's
+    SystemExit) leaves no file in /dev/shm: vLLM's own clean-up catches Exception only."""
+    import glob
+
+    engine_id = f"interrupted-{uuid.uuid4()}"
+    plan = vllm_region.RegionPlan(
+        engine_id=engine_id, num_chunks=4, row_stride=PAGE, cpu_page_size=PAGE,
+        rank=0, world_size=1, replicated=False,
+    )  # fmt: skip
+
+    def barrier() -> None:
+        raise interrupt
+
+    with pytest.raises(interrupt):
+        vllm_region.create_worker_region(plan, barrier=barrier)
+    assert glob.glob(f"/dev/shm/vllm_offload_{engine_id}*") == []

@@ -39,8 +39,11 @@ Only this module and ``triton_offload.vllm`` import vllm; both import it lazily.
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import logging
 import mmap
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -153,6 +156,15 @@ def _vllm_segments() -> int:
     return int(_REGION_SEGMENTS)
 
 
+def _unlink_region_files(engine_id: str) -> None:
+    """Remove the engine's region files: vLLM's ``vllm_offload_{engine_id}.mmap`` and
+    its numbered segment files beside it."""
+    first = f"/dev/shm/vllm_offload_{engine_id}.mmap"
+    for path in [first, *glob.glob(glob.escape(first) + ".*")]:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
 def create_worker_region(
     plan: RegionPlan, *, barrier: Callable[[], None] | None, tiering: bool = False
 ) -> Any:
@@ -174,16 +186,26 @@ def create_worker_region(
             kv_bytes_per_chunk=plan.row_stride,
             cpu_page_size=plan.cpu_page_size,
         )
-    return SharedOffloadRegion(
-        engine_id=plan.engine_id,
-        num_chunks=plan.num_chunks,
-        rank=plan.slot,
-        kv_bytes_per_chunk=plan.row_stride,
-        cpu_page_size=plan.cpu_page_size,
-        barrier=barrier,
-        num_segments=_vllm_segments(),
-        populate_shard=(plan.rank, plan.world_size) if plan.replicated else None,
-    )
+    try:
+        return SharedOffloadRegion(
+            engine_id=plan.engine_id,
+            num_chunks=plan.num_chunks,
+            rank=plan.slot,
+            kv_bytes_per_chunk=plan.row_stride,
+            cpu_page_size=plan.cpu_page_size,
+            barrier=barrier,
+            num_segments=_vllm_segments(),
+            populate_shard=(plan.rank, plan.world_size) if plan.replicated else None,
+        )
+    except Exception:
+        raise  # vLLM's constructor cleaned up (unlinked what it created) already
+    except BaseException:
+        # KeyboardInterrupt or SIGTERM's SystemExit, most likely at the workers'
+        # barrier: vLLM's clean-up catches Exception only, and the files would stay in
+        # /dev/shm. Start-up is failing on this rank, so the engine cannot start: its
+        # files go (ranks that mapped them keep their mappings).
+        _unlink_region_files(plan.engine_id)
+        raise
 
 
 def worker_pool_view(region: Any, plan: RegionPlan) -> torch.Tensor:
