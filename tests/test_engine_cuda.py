@@ -412,6 +412,11 @@ def test_calibration_runs_through_the_engine_and_leaves_the_caches() -> None:
         assert points and all(set(t) == {"dma", "triton"} for t in points.values())
         assert all(v > 0 for t in points.values() for v in t.values()), direction
     assert len(crossover.describe()) == sum(len(p) for p in crossover.grid.values())
+    for direction, points in crossover.grid.items():
+        assert set(crossover.host_timings[direction]) == set(points)
+        assert all(crossover.planes[point] >= 1 for point in points)
+    # Labelled by the blocks moved: 16 and 256 wanted, both capped at the 12 pool rows.
+    assert {blocks for _, blocks in crossover.grid[0]} == {min(NUM_BLOCKS, HOST_BLOCKS)}
     assert engine.get_finished() == []  # calibration jobs are not reported
     engine.shutdown()
 
