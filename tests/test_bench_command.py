@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
+import torch
 from triton_offload.bench import cases, harness, paths, report
 
 from triton_offload.cli import bench as command
@@ -176,6 +178,7 @@ def test_a_project_path_that_raises_while_built_is_failed_and_exits_1(
 
     monkeypatch.setattr(engine_module, "TransferEngine", failing_engine)
     out = tmp_path / "bench"
+    path = "auto" if torch.cuda.is_available() else "torch"  # a project path that runs here
     code = main(
         [
             "bench",
@@ -186,21 +189,24 @@ def test_a_project_path_that_raises_while_built_is_failed_and_exits_1(
             "--presets",
             "llama3.1-8b-tp4",
             "--paths",
-            "torch,per-page-copy",
+            f"{path},per-page-copy",
         ]
     )
     err = capsys.readouterr().err
     assert code == 1
     payload = json.loads((out / "results.json").read_text())
-    rows = [m for m in payload["measurements"] if m["path"] == "torch"]
+    rows = [m for m in payload["measurements"] if m["path"] == path]
     assert rows and all(m["status"] == "FAILED" for m in rows), rows
     assert all("calibration store job failed" in m["note"] for m in rows)
-    assert "FAILED: torch on llama3.1-8b-tp4" in err
+    assert f"FAILED: {path} on llama3.1-8b-tp4" in err
     baseline = [m for m in payload["measurements"] if m["path"] == "per-page-copy"]
     assert baseline and all(m["status"] == "ok" for m in baseline)
     assert "FAILED" in (out / "report.md").read_text()
 
 
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="the interpreted pass needs the interpreter"
+)
 def test_a_project_path_that_raises_in_the_interpreted_check_is_failed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -218,7 +224,7 @@ def test_a_project_path_that_raises_in_the_interpreted_check_is_failed(
         warmup=0,
         paths=["triton"],
         quick=True,
-        device=paths.torch.device("cpu"),
+        device=torch.device("cpu"),
         target_bytes=cases.QUICK_TARGET_BYTES,
         sweep_page_bytes=[],
         sweep_pages=[],
@@ -228,3 +234,13 @@ def test_a_project_path_that_raises_in_the_interpreted_check_is_failed(
     rows = harness.correctness_pass(config)
     assert rows and all(r.status == "FAILED" for r in rows), rows
     assert "calibration load job failed" in rows[0].note
+
+
+def test_sweep_only_measures_no_preset(tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    argv = ["bench", "--quick", "--no-progress", "--out", str(out), "--sweep-only"]
+    code = main([*argv, "--page-sizes", "4k", "--pages", "16", "--paths", "per-page-copy"])
+    assert code == 0
+    payload = json.loads((out / "results.json").read_text())
+    assert {m["case"] for m in payload["measurements"]} == {"sweep-4KiBx16"}
+    assert payload["config"]["presets"] == [] and payload["config"]["sweep"] is True

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,11 @@ from triton_offload.bench import cases, grid_sweep
 from triton_offload.bench.paths import build_workspace
 
 from triton_offload.transfer.jobs import TO_POOL
+
+# The sweep's CPU run: with CUDA (and no interpreter) the kernel cannot take CPU tensors.
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tensors need TRITON_INTERPRET=1"
+)
 
 # Pages over 16 KiB: more than one tile at every size the sweep offers. The attention
 # pages are 16-byte multiples (the 16-byte path, where a launch at the wrong tile size
