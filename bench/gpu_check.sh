@@ -24,6 +24,11 @@
 #               checks this script and the import shim, not the GPU.
 #   --plan      print the step order and the time each step may use, then exit.
 #
+# Environment: GPU_CHECK_BUDGET (seconds, default 360; 260 for --dry-run),
+# GPU_CHECK_PRESETS (the preset step's presets, default llama3.1-8b-tp4,mamba-hybrid),
+# GPU_CHECK_INSTALL=1 (install in a dry run too), GPU_CHECK_TEST_FILES (replaces the
+# CUDA test file list: "FILE CAP PER_TEST" entries separated by ';'), PYTHON.
+#
 # Installs nothing from the network: `pip install --no-deps --no-build-isolation -e .`
 # needs only the setuptools already present; if that fails, or the installed package
 # cannot import triton_offload.kernels, a symlinked copy of the tree in which
@@ -61,9 +66,9 @@ dry_run=0
 [ "$mode" = dry ] && dry_run=1
 
 # --- the plan: step order and caps (seconds) -------------------------------------------
-# GPU caps, from the 15-minute slot: machine start (1-2 min) + this run + a
-# rerun must fit, so the run gets 360 s. Setup's own timeouts (nvidia-smi 2 x 5, pip 15,
-# import check 8, versions 10) stay within its cap.
+# GPU caps: a 15-minute GPU slot holds the machine's start (1-2 min), this run and one
+# rerun, so the run gets 360 s. Setup's own timeouts (nvidia-smi 2 x 5, pip 15, import
+# check 8, versions 10) stay within its cap.
 gpu_steps=(setup gpu-tests facts presets grid-sweep sweep summary)
 gpu_caps=(45 115 35 70 50 35 10)
 gpu_budget_default=360

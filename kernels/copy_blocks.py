@@ -70,8 +70,8 @@ def _launch_options(tile_bytes: int) -> dict[str, int]:
     """Options of a launch whose tables were cut at ``tile_bytes``: shared by launch_copy
     and warm_up, so that the kernel warm_up compiles is the one jobs run. The tile size
     travels with the tables (``CopyTables.tile_bytes``): a kernel compiled for 8 KiB
-    lanes copies only the first 8 KiB of a 16 KiB item (the grid sweep's 16 KiB points
-    once left 32,643 of 131,072 pool bytes unwritten that way)."""
+    lanes copies only the first 8 KiB of a 16 KiB item (the grid sweep's check once found
+    32,628 of 205,280 pool bytes wrong that way at 16 KiB tiles)."""
     return {"TILE_BYTES": tile_bytes, "NARROW_BYTES": NARROW_BYTES, "num_warps": NUM_WARPS}
 
 

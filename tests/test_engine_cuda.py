@@ -61,7 +61,8 @@ def host_bytes(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 #: Seconds drain() waits for jobs: a job that never completes fails its test instead of
 #: spinning until the step's time limit kills the whole file (a CUDA synchronize cannot
-#: be interrupted by pytest-timeout's signal; get_finished only polls events).
+#: be interrupted by pytest-timeout's signal; get_finished only polls events). The jobs
+#: here move well under 1 MB (milliseconds); 30 s means a hang, not a slow job.
 DRAIN_SECONDS = 30.0
 
 

@@ -161,8 +161,9 @@ class TimedRun:
 
 
 #: Spin cycles that first hold a lane before a timed calibration job: ~1 ms at the
-#: 1.98 GHz boost clock of an H100/H200, over the ~0.1-0.5 ms a job of a few thousand
-#: pages takes to prepare and enqueue; doubled whenever a job outlasted its gate.
+#: 1.98 GHz boost clock of an H100/H200. A calibration job is at most a few thousand
+#: pages, and DMA submission costs ~0.5 us per descriptor (DESIGN.md, section 5): about
+#: 0.5 ms for 1,000 runs. A job that outlasts its gate doubles it (see _run_gated).
 _GATE_CYCLES = 2_000_000
 #: ~135 ms at 2 GHz: past this the enqueue itself is the problem, not the gate.
 _MAX_GATE_CYCLES = 1 << 28
