@@ -361,11 +361,12 @@ facts() {
   fi
   began=$SECONDS
   mkdir -p "$work/facts"
-  # What is left after the environment (pip list: 5 s) and two 2-second kill margins:
-  # three fifths to the calibration (an auto engine: pinned pool, compile, 32 timed
-  # jobs), two fifths to the kernel compiles (one per tile size).
-  info_limit=$(((limit - 9) * 3 / 5))
-  resources_limit=$(((limit - 9) * 2 / 5))
+  # What is left after the environment (pip list: 5 s) and two 2-second kill margins,
+  # in halves: the calibration (a process start, an auto engine, ~100 timed jobs of
+  # about a millisecond) and the kernel compiles (a process start, one compile of
+  # ~1-2 s per tile size not yet in Triton's cache).
+  info_limit=$(((limit - 9) / 2))
+  resources_limit=$(((limit - 9) / 2))
   (cd "$run_dir" && timeout -s INT -k 2 "$info_limit" "$py" -m triton_offload info --calibrate) \
     >"$work/facts/info-calibrate.txt" 2>&1 || rc=1
   (cd "$run_dir" && timeout -s INT -k 2 "$resources_limit" "$py" \
