@@ -1,43 +1,111 @@
 #!/usr/bin/env bash
-# GPU check in one call: the CUDA tests, the preset bench, the launch-grid sweep
-# (num_programs x tile size, and per-plane vs per-job path choice, on the hybrid
-# presets), then the page sweep, each under its own time limit so that the whole run
-# ends within GPU_CHECK_BUDGET seconds (default 450: under 8 minutes, start-up
-# included). The page sweep gets what is left.
+# GPU check in one call, the answers worth most first, the whole run within
+# GPU_CHECK_BUDGET seconds (default 360: a 15-minute slot keeps room for the machine's
+# start and one rerun). Steps, each under its own cap (and never past the budget):
 #
-# Usage: bench/gpu_check.sh OUTPUT_DIR [--dry-run]
+#   setup       nvidia-smi, install (no network) or the import shim, versions      45 s
+#   gpu-tests   every CUDA test file that runs without vLLM, each in its own
+#               process under `timeout` (a hung CUDA synchronize cannot hold the
+#               step), pytest-timeout per test where installed                     115 s
+#   facts       `triton-offload info --calibrate`, the kernel's registers and
+#               spills on this device (per tile size), the environment              35 s
+#   presets     one full-size preset (default llama3.1-8b-tp4, then mamba-hybrid
+#               if time is left), store and load: the project's paths beside
+#               batched DMA and vLLM's kernel where importable, and the ceiling     70 s
+#   grid-sweep  num_programs x tile size on the hybrid presets (each point
+#               written as it is measured)                                          50 s
+#   sweep       page size x pages per job (sweep only)                              35 s
+#   summary     results, archive                                                    10 s
+#
+# Usage: bench/gpu_check.sh OUTPUT_DIR [--dry-run | --plan]
 #
 #   --dry-run   the same steps sized for a CPU-only machine (the CUDA tests skip, the
 #               bench runs --quick on one tiny case) and without installing anything:
 #               checks this script and the import shim, not the GPU.
+#   --plan      print the step order and the time each step may use, then exit.
+#
+# Environment: GPU_CHECK_BUDGET (seconds, default 360; 260 for --dry-run),
+# GPU_CHECK_PRESETS (the preset step's presets, default llama3.1-8b-tp4,mamba-hybrid),
+# GPU_CHECK_INSTALL=1 (install in a dry run too), GPU_CHECK_TEST_FILES (replaces the
+# CUDA test file list: "FILE CAP PER_TEST" entries separated by ';'), PYTHON.
 #
 # Installs nothing from the network: `pip install --no-deps --no-build-isolation -e .`
 # needs only the setuptools already present; if that fails, or the installed package
 # cannot import triton_offload.kernels, a symlinked copy of the tree in which
 # kernels/ and bench/ sit inside triton_offload/ (as setup.cfg maps them) is used
-# instead. Every step runs under `timeout -s INT`: pytest then still writes its junit
-# XML and the bench still writes its results (it also stops itself at --max-seconds).
+# instead. Steps run under `timeout -s INT` (then KILL): pytest still writes its junit
+# XML and the bench and the grid sweep still write what they measured.
 #
 # OUTPUT_DIR never holds more than 8 files (a remote runner may return no more):
-#   summary.txt          steps (exit code, seconds), versions, nvidia-smi, install
-#   gpu-tests.xml/.log   pytest -m cuda (junit XML and -v log)
-#   presets-report.md    bench report of the model presets
+#   summary.txt          steps (exit code, seconds), plan, versions, nvidia-smi, install,
+#                        each test file, the calibration and the kernel's registers
+#   gpu-tests.xml/.log   the CUDA tests (junit XML of every file merged; a file killed
+#                        by its time limit appears as one error) and their -v logs
+#   presets-report.md    bench report of the preset step
 #   sweep-report.md      bench report of the page-size x pages-per-job sweep
 #   presets-bandwidth.png, sweep-bandwidth.png   the two benches' plots
-#   details.tar.gz       everything: all logs, results.json and plots of both benches,
-#                        grid-sweep/ (the launch-grid sweep; its pick is in summary.txt)
-# details.tar.gz is refreshed after every step, so a run stopped from outside keeps
-# what the finished steps wrote. Exit status: 0 when every step ran and passed.
+#   details.tar.gz       everything: all logs, each file's junit XML, results.json and
+#                        plots of both benches, grid-sweep/ (points as measured, summary),
+#                        facts/ (info-calibrate.txt, kernel-resources.txt and the
+#                        kernel's cubins, env.txt)
+# The summary and details.tar.gz are refreshed after every step, so a run stopped from
+# outside keeps what the finished steps wrote. Exit status: 0 when every step ran and
+# passed.
 set -uo pipefail
 
-usage="usage: bench/gpu_check.sh OUTPUT_DIR [--dry-run]"
+usage="usage: bench/gpu_check.sh OUTPUT_DIR [--dry-run | --plan]"
 out=${1:?$usage}
-dry_run=0
+mode=run
 case "${2:-}" in
   "") ;;
-  --dry-run) dry_run=1 ;;
+  --dry-run) mode=dry ;;
+  --plan) mode=plan ;;
   *) echo "$usage" >&2; exit 2 ;;
 esac
+dry_run=0
+[ "$mode" = dry ] && dry_run=1
+
+# --- the plan: step order and caps (seconds) -------------------------------------------
+# GPU caps: a 15-minute GPU slot holds the machine's start (1-2 min), this run and one
+# rerun, so the run gets 360 s. Setup's own timeouts (nvidia-smi 2 x 5, pip 15, import
+# check 8, versions 10) stay within its cap.
+gpu_steps=(setup gpu-tests facts presets grid-sweep sweep summary)
+gpu_caps=(45 115 35 70 50 35 10)
+gpu_budget_default=360
+# A CPU-only dry run: the same order, sized for an interpreter on 2 cores.
+dry_caps=(30 70 30 55 40 25 10)
+dry_budget_default=260
+if [ "$dry_run" = 1 ]; then
+  caps=("${dry_caps[@]}")
+  budget=${GPU_CHECK_BUDGET:-$dry_budget_default}
+else
+  caps=("${gpu_caps[@]}")
+  budget=${GPU_CHECK_BUDGET:-$gpu_budget_default}
+fi
+cap_of() {  # cap_of STEP: this run's cap of a step
+  local i
+  for i in "${!gpu_steps[@]}"; do
+    [ "${gpu_steps[$i]}" = "$1" ] && { echo "${caps[$i]}"; return; }
+  done
+  echo 0
+}
+plan_line() {  # plan_line LABEL BUDGET CAPS...: the step order with caps and their sum
+  local label=$1 plan_budget=$2 total=0 text="" i
+  shift 2
+  local values=("$@")
+  for i in "${!gpu_steps[@]}"; do
+    text+="${text:+, }${gpu_steps[$i]} ${values[$i]} s"
+    total=$((total + values[i]))
+  done
+  echo "plan ($label, budget $plan_budget s): $text = $total s"
+}
+gpu_plan=$(plan_line "GPU run, default" "$gpu_budget_default" "${gpu_caps[@]}")
+this_plan=$(plan_line "this $([ "$dry_run" = 1 ] && echo 'dry run' || echo run)" "$budget" "${caps[@]}")
+if [ "$mode" = plan ]; then
+  echo "$gpu_plan"
+  echo "$(plan_line "dry run, default" "$dry_budget_default" "${dry_caps[@]}")"
+  exit 0
+fi
 
 repo=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$out" || exit 2
@@ -47,8 +115,8 @@ work=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")
 trap 'rm -rf "$work" "$work.tgz"' EXIT
 summary="$out/summary.txt"
 start=$SECONDS
-if [ "$dry_run" = 1 ]; then budget=${GPU_CHECK_BUDGET:-240}; else budget=${GPU_CHECK_BUDGET:-450}; fi
 status=0
+reserve=$(cap_of summary)
 
 export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INDEX=1 PIP_NO_INPUT=1
 export MPLBACKEND=Agg
@@ -56,6 +124,11 @@ if [ "$dry_run" = 0 ]; then unset TRITON_INTERPRET; fi
 
 log() { printf '%s\n' "$*" | tee -a "$summary"; }
 remaining() { echo $((budget - (SECONDS - start))); }
+limit_for() {  # limit_for CAP: min(CAP, budget left - the summary's reserve)
+  local left
+  left=$(($(remaining) - reserve))
+  echo $((left < $1 ? left : $1))
+}
 
 pack() {  # everything written so far, in one archive next to the summary
   cp "$summary" "$work/summary.txt" 2>/dev/null
@@ -63,22 +136,20 @@ pack() {  # everything written so far, in one archive next to the summary
     mv -f "$work.tgz" "$out/details.tar.gz"
 }
 
-# step NAME CAP_SECONDS LOG COMMAND...: run under min(CAP, budget left - 10 s) seconds.
+# step NAME CAP LOG COMMAND...: run under limit_for(CAP) seconds; skipped under 15 s.
 step() {
   local name=$1 cap=$2 logfile=$3
   shift 3
-  local left limit began rc
-  left=$(remaining)
-  limit=$((left - 10 < cap ? left - 10 : cap))
+  local limit began rc note=""
+  limit=$(limit_for "$cap")
   if [ "$limit" -lt 15 ]; then
-    log "$(printf '%-16s %-8s %5s s  %s' "$name" skipped 0 "budget spent ($left s left)")"
+    log "$(printf '%-16s %-8s %5s s  %s' "$name" skipped 0 "budget spent ($(remaining) s left)")"
     status=1
     return 0
   fi
   began=$SECONDS
-  (cd "$run_dir" && timeout -s INT -k 15 "$limit" "$@") >"$logfile" 2>&1
+  (cd "$run_dir" && timeout -s INT -k 10 "$limit" "$@") >"$logfile" 2>&1
   rc=$?
-  local note=""
   if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then note="TIMED OUT after $limit s"; fi
   [ "$rc" = 0 ] || status=1
   log "$(printf '%-16s rc=%-5s %5s s  %s' "$name" "$rc" $((SECONDS - began)) "$note")"
@@ -89,27 +160,28 @@ step() {
 : >"$summary"
 log "gpu_check $(date -u +%Y-%m-%dT%H:%M:%SZ) budget ${budget} s$([ "$dry_run" = 1 ] && echo ' (dry run)')"
 log "repo $repo ($(git -C "$repo" rev-parse --short HEAD 2>/dev/null || echo 'no git'))"
+log "$gpu_plan"
+[ "$dry_run" = 1 ] && log "$this_plan"
 run_dir=$repo
 
-# --- the GPU as the driver sees it --------------------------------------------------
+# --- setup: the GPU as the driver sees it -------------------------------------------------
 if command -v nvidia-smi >/dev/null 2>&1; then
-  timeout 20 nvidia-smi >"$work/nvidia-smi.txt" 2>&1
-  timeout 20 nvidia-smi --format=csv --query-gpu=name,driver_version,memory.total,pcie.link.gen.current,pcie.link.gen.max,pcie.link.width.current,pcie.link.width.max,clocks.max.sm \
+  timeout 5 nvidia-smi --format=csv --query-gpu=name,driver_version,memory.total,pcie.link.gen.current,pcie.link.gen.max,pcie.link.width.current,pcie.link.width.max,clocks.max.sm \
     >"$work/nvidia-smi.csv" 2>&1
   sed 's/^/nvidia-smi: /' "$work/nvidia-smi.csv" | tee -a "$summary"
-  timeout 20 nvidia-smi topo -m >>"$work/nvidia-smi.txt" 2>&1
+  { timeout 5 nvidia-smi; timeout 5 nvidia-smi topo -m; } >"$work/nvidia-smi.txt" 2>&1
 else
   echo "nvidia-smi: not found" >"$work/nvidia-smi.txt"
 fi
 
-# --- install (no network), else the import shim ---------------------------------------
+# --- setup: install (no network), else the import shim -------------------------------------
 import_check='import triton_offload, triton_offload.kernels.copy_blocks, triton_offload.bench.harness
 print("triton_offload from", triton_offload.__file__)
 print("kernels from", triton_offload.kernels.copy_blocks.__file__)'
 installed=0
 if [ "$dry_run" = 0 ] || [ "${GPU_CHECK_INSTALL:-0}" = 1 ]; then
-  if (cd "$repo" && timeout 90 "$py" -m pip install -q --no-deps --no-build-isolation -e .) \
-    >"$work/install.log" 2>&1 && (cd "$work" && timeout 60 "$py" -c "$import_check") \
+  if (cd "$repo" && timeout 15 "$py" -m pip install -q --no-deps --no-build-isolation -e .) \
+    >"$work/install.log" 2>&1 && (cd "$work" && timeout 8 "$py" -c "$import_check") \
     >>"$work/install.log" 2>&1; then
     installed=1
     log "install: pip install --no-deps --no-build-isolation -e . worked"
@@ -133,7 +205,7 @@ if [ "$installed" = 0 ]; then
   ln -s "$repo/bench" "$shim/triton_offload/bench"
   run_dir=$shim
   export PYTHONPATH="$shim${PYTHONPATH:+:$PYTHONPATH}"
-  if (cd "$work" && timeout 60 "$py" -c "$import_check") >>"$work/install.log" 2>&1; then
+  if (cd "$work" && timeout 20 "$py" -c "$import_check") >>"$work/install.log" 2>&1; then
     log "install: using the shim $shim (PYTHONPATH)"
   else
     log "install: the shim does not import either (see install.log)"
@@ -141,8 +213,8 @@ if [ "$installed" = 0 ]; then
   fi
 fi
 
-# --- versions ---------------------------------------------------------------------------
-(cd "$work" && timeout 60 "$py" - >"$work/versions.txt" 2>&1) <<'PY'
+# --- setup: versions -------------------------------------------------------------------------
+(cd "$work" && timeout 10 "$py" - >"$work/versions.txt" 2>&1) <<'PY'
 import importlib.metadata as md
 import platform
 
@@ -167,76 +239,203 @@ print("kernels", copy_blocks.__file__, "interpreted", copy_blocks._INTERPRETED)
 PY
 log "--- versions"
 sed 's/^/  /' "$work/versions.txt" | tee -a "$summary"
-log "--- steps (budget left $(remaining) s)"
+log "--- steps (setup took $((SECONDS - start)) s; budget left $(remaining) s)"
 pack
 
-# --- pytest options: only plugins that are present ------------------------------------
-pytest_opts=(-p no:cacheprovider -o addopts= -rA -v)
+# --- 1. the CUDA tests: one process per file ---------------------------------------------
+# Every test file with CUDA tests that run without vLLM (tests/test_gpu_check.py keeps
+# this list complete), the most telling first, with the most seconds its process may
+# take and pytest-timeout's limit per test (0: the file's own limit less 5 s, for a file
+# that is one long test). pytest-timeout's thread method ends a hung process after
+# printing every thread's stack, even inside a CUDA call no signal interrupts; the
+# process's `timeout` is the backstop when the plugin is absent.
+cuda_test_files=(
+  "tests/test_engine_cuda.py 45 30"
+  "tests/test_copy_kernel_cuda.py 25 20"
+  "tests/test_engine_expedited.py 20 15"
+  "tests/test_kernel_specialization.py 25 20"
+  "tests/test_bench_cuda.py 40 0"
+  "bench/suites/bench_kernel_tables.py 20 15"
+)
+if [ -n "${GPU_CHECK_TEST_FILES:-}" ]; then
+  # Entries "FILE CAP PER_TEST" separated by ';' (tests/test_gpu_check.py hangs one).
+  IFS=';' read -r -a cuda_test_files <<<"$GPU_CHECK_TEST_FILES"
+fi
+pytest_opts=(-p no:cacheprovider -o addopts= -rA -v -m cuda)
 if "$py" -c 'import pytest_benchmark' >/dev/null 2>&1; then
   pytest_opts+=(--benchmark-disable)
+  have_benchmark=1
 else
-  pytest_opts+=(--deselect bench/suites/bench_kernel_tables.py)  # needs the benchmark fixture
+  have_benchmark=0  # bench_kernel_tables.py needs the benchmark fixture
 fi
-if "$py" -c 'import pytest_timeout' >/dev/null 2>&1; then
-  pytest_opts+=(--timeout 120)  # one hung test must not eat the whole step
-fi
+have_timeout=0
+"$py" -c 'import pytest_timeout' >/dev/null 2>&1 && have_timeout=1
 
-# 1. the CUDA tests (skipped with a reason without a GPU)
-step gpu-tests 170 "$out/gpu-tests.log" "$py" -m pytest "${pytest_opts[@]}" -m cuda \
-  --junitxml="$out/gpu-tests.xml" \
-  tests/test_copy_kernel_cuda.py tests/test_engine_cuda.py tests/test_bench_cuda.py \
-  bench/suites/bench_kernel_tables.py
-cp "$out/gpu-tests.log" "$work/" 2>/dev/null
-cp "$out/gpu-tests.xml" "$work/" 2>/dev/null
+gpu_tests() {
+  local began=$SECONDS step_limit entry file cap per_test limit name rc t0 note
+  step_limit=$(limit_for "$(cap_of gpu-tests)")
+  if [ "$step_limit" -lt 15 ]; then
+    log "$(printf '%-16s %-8s %5s s  %s' gpu-tests skipped 0 "budget spent ($(remaining) s left)")"
+    status=1
+    return 0
+  fi
+  mkdir -p "$work/junit"
+  : >"$out/gpu-tests.log"
+  : >"$work/gpu-tests-files.txt"
+  local failed=0
+  for entry in "${cuda_test_files[@]}"; do
+    read -r file cap per_test <<<"$entry"
+    name=$(basename "$file" .py)
+    limit=$((step_limit - (SECONDS - began)))
+    limit=$((limit < cap ? limit : cap))
+    if [ "$file" = bench/suites/bench_kernel_tables.py ] && [ "$have_benchmark" = 0 ]; then
+      echo "$file skipped: pytest-benchmark is not installed" >>"$work/gpu-tests-files.txt"
+      continue
+    fi
+    if [ "$limit" -lt 10 ]; then
+      echo "$file skipped: step time spent" >>"$work/gpu-tests-files.txt"
+      failed=1
+      continue
+    fi
+    local opts=("${pytest_opts[@]}" --junitxml="$work/junit/$name.xml")
+    if [ "$have_timeout" = 1 ]; then
+      [ "$per_test" = 0 ] || [ "$per_test" -gt $((limit - 5)) ] && per_test=$((limit - 5))
+      opts+=(--timeout "$per_test" --timeout-method thread)
+    fi
+    t0=$SECONDS
+    printf '===== %s (limit %s s) =====\n' "$file" "$limit" >>"$out/gpu-tests.log"
+    (cd "$run_dir" && timeout -s INT -k 5 "$limit" "$py" -m pytest "${opts[@]}" "$file") \
+      >>"$out/gpu-tests.log" 2>&1
+    rc=$?
+    note=""
+    if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then note=" TIMED OUT after $limit s"; fi
+    # Killed at its limit (or no XML at all): one error in the merged XML says so.
+    if [ -n "$note" ] || [ ! -f "$work/junit/$name.xml" ]; then
+      echo "$limit" >"$work/junit/$name.killed"
+    fi
+    [ "$rc" = 0 ] || failed=1
+    echo "$file rc=$rc $((SECONDS - t0)) s$note" >>"$work/gpu-tests-files.txt"
+  done
+  timeout 20 "$py" - "$work/junit" "$out/gpu-tests.xml" >>"$work/gpu-tests-files.txt" 2>&1 <<'PY'
+"""Merge each file's junit XML; a killed file (with or without XML) adds one error."""
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
 
-# 2. the model presets, then 3. the sweep (each stops starting cases at --max-seconds)
+folder, target = Path(sys.argv[1]), Path(sys.argv[2])
+merged = ET.Element("testsuites")
+for path in sorted(folder.iterdir()):
+    if path.suffix == ".xml":
+        root = ET.parse(path).getroot()
+        for suite in [root] if root.tag == "testsuite" else list(root):
+            suite.set("name", path.stem)
+            merged.append(suite)
+    elif path.suffix == ".killed":
+        limit = path.read_text().strip()
+        suite = ET.SubElement(merged, "testsuite", name=path.stem, tests="1", errors="1",
+                              failures="0", skipped="0")
+        case = ET.SubElement(suite, "testcase", classname=path.stem, name="(whole file)")
+        ET.SubElement(case, "error", message=f"no result within {limit} s: the process was "
+                      "killed (a hang; gpu-tests.log has its last output)")
+for key in ("tests", "failures", "errors", "skipped"):
+    merged.set(key, str(sum(int(s.get(key, 0)) for s in merged)))
+ET.ElementTree(merged).write(target, encoding="utf-8", xml_declaration=True)
+print("merged:", ", ".join(f"{k} {merged.get(k)}" for k in ("tests", "failures", "errors", "skipped")))
+PY
+  cp "$out/gpu-tests.log" "$out/gpu-tests.xml" "$work/" 2>/dev/null
+  [ "$failed" = 0 ] || status=1
+  log "$(printf '%-16s rc=%-5s %5s s  %s' gpu-tests "$failed" $((SECONDS - began)) "")"
+  sed 's/^/  /' "$work/gpu-tests-files.txt" | tee -a "$summary"
+  pack
+}
+gpu_tests
+
+# --- 2. facts: the calibration, the kernel's registers on this device, the environment ----
+facts() {
+  local limit began rc=0 info_limit resources_limit
+  limit=$(limit_for "$(cap_of facts)")
+  if [ "$limit" -lt 15 ]; then
+    log "$(printf '%-16s %-8s %5s s  %s' facts skipped 0 "budget spent ($(remaining) s left)")"
+    status=1
+    return 0
+  fi
+  began=$SECONDS
+  mkdir -p "$work/facts"
+  # What is left after the environment (pip list: 5 s) and two 2-second kill margins,
+  # in halves: the calibration (a process start, an auto engine, ~100 timed jobs of
+  # about a millisecond) and the kernel compiles (a process start, one compile of
+  # ~1-2 s per tile size not yet in Triton's cache).
+  info_limit=$(((limit - 9) / 2))
+  resources_limit=$(((limit - 9) / 2))
+  (cd "$run_dir" && timeout -s INT -k 2 "$info_limit" "$py" -m triton_offload info --calibrate) \
+    >"$work/facts/info-calibrate.txt" 2>&1 || rc=1
+  (cd "$run_dir" && timeout -s INT -k 2 "$resources_limit" "$py" \
+    -m triton_offload.bench.kernel_resources --out "$work/facts") \
+    >"$work/facts/kernel-resources.log" 2>&1 || rc=1
+  {
+    echo "--- uname"; uname -a
+    echo "--- nproc $(nproc 2>/dev/null)"
+    echo "--- ulimit -l (locked memory, KiB) $(ulimit -l)"
+    echo "--- meminfo"; head -5 /proc/meminfo 2>/dev/null
+    echo "--- environment (CUDA, NVIDIA, TRITON, TORCH, PYTHON, LD_LIBRARY_PATH, PATH)"
+    env | grep -E '^(CUDA|NVIDIA|TRITON|TORCH|PYTHON|LD_LIBRARY_PATH|PATH)' | sort
+    echo "--- pip list"; timeout 5 "$py" -m pip list 2>&1
+  } >"$work/facts/env.txt" 2>&1
+  [ "$rc" = 0 ] || status=1
+  log "$(printf '%-16s rc=%-5s %5s s  %s' facts "$rc" $((SECONDS - began)) "")"
+  grep -E '^(calibration|dma path|gpu) ' "$work/facts/info-calibrate.txt" 2>/dev/null |
+    sed 's/^/  /' | tee -a "$summary"
+  sed 's/^/  kernel: /' "$work/facts/kernel-resources.txt" 2>/dev/null | tee -a "$summary"
+  pack
+}
+facts
+
+# --- 3. the preset, 4. the grid sweep, 5. the page sweep -------------------------------------
+presets=${GPU_CHECK_PRESETS:-llama3.1-8b-tp4,mamba-hybrid}
 if [ "$dry_run" = 1 ]; then
   preset_args=(--quick --presets llama3.1-8b-tp4 --paths torch,triton,per-page-copy)
-  sweep_args=(--quick --presets llama3.1-8b-tp4 --page-sizes 4k --pages 16 --paths torch)
-  preset_cap=90
+  sweep_args=(--quick --page-sizes 4k --pages 16 --paths torch)
+  grid_args=(--quick)
 else
-  preset_args=()
-  sweep_args=(--presets llama3.1-8b-tp4)
-  preset_cap=140
+  # The project's paths beside batched DMA (cuda-python) and vLLM's swap_blocks kernel
+  # (unavailable where vLLM is not importable); the ceiling is always measured.
+  preset_args=(--presets "$presets" --paths triton,dma,auto,batched-dma,vllm-swap-blocks)
+  sweep_args=(--paths triton,dma,batched-dma --pages 1024,16384)
+  grid_args=()
 fi
-bench() {  # bench NAME CAP ARGS...: --max-seconds leaves 40 s to write the results
-  local name=$1 cap=$2
-  shift 2
-  local left limit plot
-  left=$(remaining)
-  limit=$((left - 10 < cap ? left - 10 : cap))
-  step "$name" "$cap" "$work/$name.log" "$py" -m triton_offload bench --no-progress \
-    --out "$work/$name" --max-seconds $((limit - 40 > 1 ? limit - 40 : 1)) "$@"
+bench() {  # bench NAME ARGS...: --max-seconds leaves 15 s to finish a path and write
+  local name=$1 limit plot
+  shift
+  limit=$(limit_for "$(cap_of "$name")")
+  step "$name" "$(cap_of "$name")" "$work/$name.log" "$py" -m triton_offload bench --no-progress \
+    --out "$work/$name" --max-seconds $((limit - 15 > 1 ? limit - 15 : 1)) "$@"
   cp "$work/$name/report.md" "$out/$name-report.md" 2>/dev/null
-  # a sweep run's own plot is sweep.png (its preset plot stays in details.tar.gz)
+  # a sweep run's own plot is sweep.png
   if [ -f "$work/$name/sweep.png" ]; then plot=sweep.png; else plot=bandwidth.png; fi
   cp "$work/$name/$plot" "$out/$name-bandwidth.png" 2>/dev/null
   pack
 }
-bench presets "$preset_cap" "${preset_args[@]}"
-# The launch-grid sweep: its own cap, so the page sweep after it keeps a share.
-if [ "$dry_run" = 1 ]; then grid_args=(--quick); grid_cap=40; else grid_args=(); grid_cap=60; fi
-grid_left=$(remaining)
-grid_limit=$((grid_left - 10 < grid_cap ? grid_left - 10 : grid_cap))
-step grid-sweep "$grid_cap" "$work/grid-sweep.log" "$py" -m triton_offload.bench.grid_sweep \
+bench presets "${preset_args[@]}"
+grid_limit=$(limit_for "$(cap_of grid-sweep)")
+step grid-sweep "$(cap_of grid-sweep)" "$work/grid-sweep.log" "$py" -m triton_offload.bench.grid_sweep \
   --out "$work/grid-sweep" --max-seconds $((grid_limit - 15 > 1 ? grid_limit - 15 : 1)) \
   "${grid_args[@]}"
-if [ "$dry_run" = 1 ]; then sweep_cap=90; else sweep_cap=$(remaining); fi
-bench sweep "$sweep_cap" --sweep "${sweep_args[@]}"
+bench sweep --sweep-only "${sweep_args[@]}"
 
-# --- summary --------------------------------------------------------------------------
+# --- summary -------------------------------------------------------------------------------
 {
   echo "--- results"
-  for f in "$out/gpu-tests.log"; do
-    [ -f "$f" ] || continue
-    echo "$(basename "$f"): $(grep -E '^=+ .*(passed|failed|error|skipped|no tests ran).* =+$' "$f" | tail -1)"
-    grep -E '^(FAILED|ERROR) ' "$f" | head -20 | sed 's/^/  /'
-  done
+  f="$out/gpu-tests.log"
+  if [ -f "$f" ]; then
+    echo "gpu-tests:"
+    grep -E '^=+ .*(passed|failed|error|skipped|no tests ran).* =+$' "$f" | sed 's/^/  /'
+    grep -E '^(FAILED|ERROR) |Timeout' "$f" | head -20 | sed 's/^/  /'
+  fi
   for name in presets sweep; do
     f="$work/$name.log"
     [ -f "$f" ] || continue
     echo "bench $name: $(ls "$work/$name" 2>/dev/null | tr '\n' ' ')"
-    [ -f "$work/$name/results.json" ] && timeout 30 "$py" - "$work/$name/results.json" <<'PY'
+    [ -f "$work/$name/results.json" ] && timeout 5 "$py" - "$work/$name/results.json" <<'PY'
 import collections, json, sys
 results = json.load(open(sys.argv[1]))
 rows = results["measurements"] + results["correctness"]
@@ -252,7 +451,10 @@ PY
   done
   if [ -f "$work/grid-sweep/grid-sweep.txt" ]; then
     echo "grid sweep:"
-    grep -E '^(grid sweep picks|choice )' "$work/grid-sweep/grid-sweep.txt" | sed 's/^/  /'
+    grep -E '^(grid sweep picks|grid sweep error|choice )|WRONG BYTES' \
+      "$work/grid-sweep/grid-sweep.txt" | sed 's/^/  /'
+  elif [ -f "$work/grid-sweep/grid-sweep.jsonl" ]; then
+    echo "grid sweep: $(wc -l <"$work/grid-sweep/grid-sweep.jsonl") points measured (no summary)"
   fi
   echo "wall $((SECONDS - start)) s of ${budget} s; exit $status"
 } | tee -a "$summary"

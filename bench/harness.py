@@ -554,6 +554,11 @@ def correctness_pass(config: Config, progress: Progress | None = None) -> list[M
             except PathUnavailable as why:
                 results.append(Measurement(status="unavailable", note=str(why), **base))
                 continue
+            except Exception as error:  # a path that could run here but raised: a failure
+                note = f"could not set up: {type(error).__name__}: {error}"
+                status = "FAILED" if base["role"] == "project" else "unavailable"
+                results.append(Measurement(status=status, note=note, **base))
+                continue
             try:
                 problem = runner.verify()
             except Exception as error:
@@ -773,10 +778,24 @@ def _run(config: Config, show_progress: bool) -> Results:
     correctness: list[Measurement] = []
     if not interrupted:
         for name in config.presets:
-            host_costs.append(host_cost(cases.CASES[name], repeats=max(config.repeats, 5)))
+            try:
+                host_costs.append(host_cost(cases.CASES[name], repeats=max(config.repeats, 5)))
+            except Exception as error:  # the project's engine failed: report it, keep the rest
+                note = f"host cost (the torch engine) raised {type(error).__name__}: {error}"
+                notes.append(f"FAILED: {name} {note}")
+                correctness.append(
+                    Measurement(
+                        case=name,
+                        path="torch",
+                        role="project",
+                        direction="host cost",
+                        status="FAILED",
+                        note=note,
+                    )
+                )
             progress.step(f"{name} host cost")
         if interpreted and not _past(deadline):
-            correctness = correctness_pass(config, progress)
+            correctness += correctness_pass(config, progress)
         elif interpreted:
             notes.append("cut: the interpreted correctness pass did not run (budget ran out)")
     return Results(

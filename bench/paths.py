@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from triton_offload.bench.cases import Case
 
+from triton_offload.transfer.copiers import load_kernels
 from triton_offload.transfer.jobs import JobSpec
 from triton_offload.transfer.layout import CacheLayout, Layer, build_layout, pool_plane_view
 from triton_offload.transfer.pool import HostPool, allocate_pool
@@ -318,6 +319,25 @@ def _pool_mismatch(actual: torch.Tensor, expected: torch.Tensor) -> str:
     return f"store wrote pool row {row} byte {col} wrong ({bad.size(0)} bytes differ)"
 
 
+def engine_backend_unavailable(backend: str, cuda: bool) -> str | None:
+    """Why engine ``backend`` cannot run on this machine, or None when it can.
+
+    Decided before an engine is built, from the device and the interpreter setting
+    alone: a backend that could run here but raises while being built or run is a
+    failure, and must not be reported as an absence.
+    """
+    if backend == "dma" and not cuda:
+        return "needs CUDA caches (the copy engines); the caches are on the CPU"
+    if backend == "torch" and cuda:
+        return "the CPU path; the caches are on CUDA"
+    if backend == "triton" or (backend == "auto" and cuda):  # auto on CUDA has the kernel
+        try:
+            load_kernels(backend, cuda)
+        except (ValueError, RuntimeError) as error:  # the interpreter setting is wrong here
+            return str(error)
+    return None
+
+
 class EnginePath(_PoolPath):
     """This project's ``TransferEngine`` with one backend."""
 
@@ -327,14 +347,16 @@ class EnginePath(_PoolPath):
     def __init__(self, ws: Workspace, backend: str) -> None:
         super().__init__(ws)
         self.name = backend
+        why = engine_backend_unavailable(backend, ws.cuda)
+        if why is not None:
+            raise PathUnavailable(f"backend {backend!r}: {why}")
         from triton_offload.transfer.engine import TransferEngine
 
-        try:
-            self.engine = TransferEngine(
-                plan_for(ws.case), ws.caches, ws.num_host_blocks, device=ws.device, backend=backend
-            )
-        except (ValueError, TypeError, RuntimeError) as error:
-            raise PathUnavailable(f"backend {backend!r}: {error}") from None
+        # Anything raised from here on is the project failing (a failed calibration job,
+        # a refused layout), reported FAILED by the harness, never "unavailable".
+        self.engine = TransferEngine(
+            plan_for(ws.case), ws.caches, ws.num_host_blocks, device=ws.device, backend=backend
+        )
         self._job_ids = itertools.count(1)
         self._spec = ws.spec
         self._pending: int | None = None
@@ -680,6 +702,7 @@ __all__ = [
     "PathUnavailable",
     "Workspace",
     "build_workspace",
+    "engine_backend_unavailable",
     "make_path",
     "plan_for",
     "role_of",

@@ -64,13 +64,16 @@ TILE_BYTES = 8192
 # load before the current item's stores.
 NARROW_BYTES = 1024
 NUM_WARPS = 4
-# Options of every launch, shared by launch_copy and warm_up so that the kernel warm_up
-# compiles is the one jobs run.
-_LAUNCH_OPTIONS: dict[str, int] = {
-    "TILE_BYTES": TILE_BYTES,
-    "NARROW_BYTES": NARROW_BYTES,
-    "num_warps": NUM_WARPS,
-}
+
+
+def _launch_options(tile_bytes: int) -> dict[str, int]:
+    """Options of a launch whose tables were cut at ``tile_bytes``: shared by launch_copy
+    and warm_up, so that the kernel warm_up compiles is the one jobs run. The tile size
+    travels with the tables (``CopyTables.tile_bytes``): a kernel compiled for 8 KiB
+    lanes copies only the first 8 KiB of a 16 KiB item (the grid sweep's check once found
+    32,628 of 205,280 pool bytes wrong that way at 16 KiB tiles)."""
+    return {"TILE_BYTES": tile_bytes, "NARROW_BYTES": NARROW_BYTES, "num_warps": NUM_WARPS}
+
 
 # Bytes that must be in flight to keep PCIe Gen5 x16 busy: ~55 GB/s x ~2 us host-read
 # round trip ~= 110 KB. Each program keeps one item's data (one tile, at most
@@ -103,8 +106,9 @@ class CopyTables(Protocol):
 
     ``tile_table``: int64 ``[num_tiles, TILE_COLUMNS]`` and ``group_table``: int64
     ``[num_groups, 2]`` on ``device``, as the kernel's docstring describes (tiles cut at
-    ``TILE_BYTES``); ``pool_row_bytes``: bytes between pool rows (the row stride);
-    ``mean_tile_bytes``: mean item size, which sizes the default grid.
+    ``tile_bytes``, a power of two >= 16; ``TILE_BYTES`` by default); ``pool_row_bytes``:
+    bytes between pool rows (the row stride); ``mean_tile_bytes``: mean item size, which
+    sizes the default grid.
     """
 
     @property
@@ -117,6 +121,8 @@ class CopyTables(Protocol):
     def pool_row_bytes(self) -> int: ...
     @property
     def mean_tile_bytes(self) -> int: ...
+    @property
+    def tile_bytes(self) -> int: ...
     @property
     def device(self) -> torch.device: ...
 
@@ -376,20 +382,21 @@ def _empty_job(device: torch.device) -> tuple[object, ...]:
     )
 
 
-def warm_up(device: torch.device | str | int) -> None:
+def warm_up(device: torch.device | str | int, tile_bytes: int = TILE_BYTES) -> None:
     """Compile and load the copy kernel on ``device`` now, so the first job does not wait.
 
     Launches an empty job (no byte moves) on the current stream of ``device``. No kernel
     argument is specialized on its value or alignment and the launch options are the
-    ones :func:`launch_copy` uses, so the kernel compiled here is the one every later job
-    runs: a first compile costs ~1 s, mid-serving. Does nothing on CPU devices and under
-    the interpreter, where nothing is compiled.
+    ones :func:`launch_copy` uses for tables cut at ``tile_bytes``, so the kernel
+    compiled here is the one every later job runs: a first compile costs ~1 s,
+    mid-serving. Does nothing on CPU devices and under the interpreter, where nothing is
+    compiled.
     """
     device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
     if _INTERPRETED or device.type != "cuda":
         return
     with torch.cuda.device(device):
-        _copy_blocks_kernel[(1,)](*_empty_job(device), **_LAUNCH_OPTIONS)
+        _copy_blocks_kernel[(1,)](*_empty_job(device), **_launch_options(tile_bytes))
 
 
 def launch_copy(
@@ -403,7 +410,8 @@ def launch_copy(
 ) -> None:
     """Enqueue ONE launch copying the job on the current stream; no checks, no host sync.
 
-    ``layout`` holds the static tables. ``pairs`` (int64 ``[n, 3]``, contiguous) and
+    ``layout`` holds the static tables and the tile size they were cut at (the kernel's
+    ``TILE_BYTES`` of this launch). ``pairs`` (int64 ``[n, 3]``, contiguous) and
     ``group_offsets`` (int64 ``[num_groups + 1]``) must already be on ``layout.device``
     and valid (the caller validated them). ``pool_address`` is the device-visible address
     of pool row 0; ``direction`` 0 stores (planes -> pool), 1 loads.
@@ -421,7 +429,7 @@ def launch_copy(
         layout.pool_row_bytes,
         layout.num_groups,
         int(direction),
-        **_LAUNCH_OPTIONS,
+        **_launch_options(layout.tile_bytes),
     )
 
 

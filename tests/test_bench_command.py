@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
+import torch
 from triton_offload.bench import cases, harness, paths, report
 
 from triton_offload.cli import bench as command
@@ -162,3 +164,83 @@ def test_quick_run_writes_table_json_report_and_plot(
     assert "## Cases" in report and "8,192 B + 8,192 B" in report
     assert "llama3.1-8b-tp4 store: fastest path" in report
     assert "the best baseline" in report and "of the ceiling" in report
+
+
+def test_a_project_path_that_raises_while_built_is_failed_and_exits_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine that cannot be built (here: a failed calibration job) is a failure of
+    the project, not a path this machine lacks."""
+    from triton_offload.transfer import engine as engine_module
+
+    def failing_engine(*_: object, **__: object) -> None:
+        raise RuntimeError("calibration store job failed")
+
+    monkeypatch.setattr(engine_module, "TransferEngine", failing_engine)
+    out = tmp_path / "bench"
+    path = "auto" if torch.cuda.is_available() else "torch"  # a project path that runs here
+    code = main(
+        [
+            "bench",
+            "--quick",
+            "--no-progress",
+            "--out",
+            str(out),
+            "--presets",
+            "llama3.1-8b-tp4",
+            "--paths",
+            f"{path},per-page-copy",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code == 1
+    payload = json.loads((out / "results.json").read_text())
+    rows = [m for m in payload["measurements"] if m["path"] == path]
+    assert rows and all(m["status"] == "FAILED" for m in rows), rows
+    assert all("calibration store job failed" in m["note"] for m in rows)
+    assert f"FAILED: {path} on llama3.1-8b-tp4" in err
+    baseline = [m for m in payload["measurements"] if m["path"] == "per-page-copy"]
+    assert baseline and all(m["status"] == "ok" for m in baseline)
+    assert "FAILED" in (out / "report.md").read_text()
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="the interpreted pass needs the interpreter"
+)
+def test_a_project_path_that_raises_in_the_interpreted_check_is_failed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from triton_offload.transfer import engine as engine_module
+
+    def failing_engine(*_: object, **__: object) -> None:
+        raise RuntimeError("calibration load job failed")
+
+    monkeypatch.setattr(engine_module, "TransferEngine", failing_engine)
+    config = harness.Config(
+        presets=[],
+        sweep=False,
+        directions=["store", "load"],
+        repeats=1,
+        warmup=0,
+        paths=["triton"],
+        quick=True,
+        device=torch.device("cpu"),
+        target_bytes=cases.QUICK_TARGET_BYTES,
+        sweep_page_bytes=[],
+        sweep_pages=[],
+        sweep_max_bytes=1,
+        max_seconds=None,
+    )
+    rows = harness.correctness_pass(config)
+    assert rows and all(r.status == "FAILED" for r in rows), rows
+    assert "calibration load job failed" in rows[0].note
+
+
+def test_sweep_only_measures_no_preset(tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    argv = ["bench", "--quick", "--no-progress", "--out", str(out), "--sweep-only"]
+    code = main([*argv, "--page-sizes", "4k", "--pages", "16", "--paths", "per-page-copy"])
+    assert code == 0
+    payload = json.loads((out / "results.json").read_text())
+    assert {m["case"] for m in payload["measurements"]} == {"sweep-4KiBx16"}
+    assert payload["config"]["presets"] == [] and payload["config"]["sweep"] is True

@@ -194,3 +194,22 @@ def test_warm_up_compiles_the_kernel_real_jobs_run() -> None:
         torch.cuda.synchronize()
         assert torch.equal(pool.cpu(), expected)
     assert len(cache) == 1
+
+
+@pytest.mark.parametrize("tile", [4096, 8192, 16384])
+def test_every_grid_sweep_tile_is_byte_exact_on_the_device(tile: int) -> None:
+    """The grid sweep's point at each tile size it offers: tables cut at ``tile`` and
+    launches compiled for it, store and load checked over the whole pool against random
+    cache bytes (pages over 16 KiB, 16-byte and odd)."""
+    from test_grid_sweep import CASE
+    from triton_offload.bench import grid_sweep
+    from triton_offload.bench.paths import build_workspace
+
+    assert tile in grid_sweep.TILE_SIZES
+    ws = build_workspace(CASE, torch.device("cuda"), seed=3)
+    engine = grid_sweep.make_engine(ws, tile, num_programs=7)
+    try:
+        assert engine.copiers["triton"].tables.tile_bytes == tile
+        assert grid_sweep.point_problem(ws, engine, seed=tile) is None
+    finally:
+        engine.shutdown()

@@ -11,6 +11,7 @@ and the fallback to torch's pinned allocator when registration is refused.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 from typing import Any
 
@@ -18,7 +19,7 @@ import pytest
 import torch
 
 from triton_offload.transfer import pool as pool_module
-from triton_offload.transfer.pool import CudaApi, allocate_pool
+from triton_offload.transfer.pool import CudaApi, allocate_pool, piece_ranges
 
 HIGH_ADDRESS = 0x7F3A_1234_5000  # above 4 GiB: a 32-bit argument would lose it
 DEVICE_ADDRESS = 0x7F00_DEAD_B000
@@ -185,13 +186,14 @@ def stand_in(monkeypatch: pytest.MonkeyPatch) -> Any:
 
 def test_pool_registered_in_page_pieces_with_one_mapping(stand_in: Any) -> None:
     api = stand_in(StandInApi())
-    pool = allocate_pool(5, 3000, pinned=True, piece_bytes=5000)  # rounded up to 8192
+    # Rows of half a page: pieces of two rows (one page), the most under 5000 bytes.
+    pool = allocate_pool(5, 2048, pinned=True, piece_bytes=5000)
     assert pool.locked_by == "cudaHostRegister"
     base = pool.tensor.data_ptr()
     assert base % 4096 == 0
-    assert api.registered == {base: 8192, base + 8192: 15000 - 8192}
+    assert api.registered == {base: 4096, base + 4096: 4096, base + 8192: 2048}
     assert pool.device_address == base + api.shift
-    assert pool.tensor.shape == (5, 3000) and not pool.tensor.any()
+    assert pool.tensor.shape == (5, 2048) and not pool.tensor.any()
     pool.close()
     assert api.registered == {}
     pool.close()  # idempotent
@@ -225,3 +227,36 @@ def test_pool_fallback_failure_names_both_causes(
     monkeypatch.setattr(pool_module, "_pinned_zeros", no_pinned)
     with pytest.raises(RuntimeError, match=r"CUDA error 801.*out of pinned memory"):
         allocate_pool(2, 4096, pinned=True)
+
+
+@pytest.mark.parametrize(
+    ("rows", "row_bytes", "piece_bytes", "expected"),
+    [
+        # Page-multiple rows: as many whole rows as fit, at least one.
+        (5, 8192, 20000, [(0, 16384), (16384, 16384), (32768, 8192)]),
+        (3, 8192, 1, [(0, 8192), (8192, 8192), (16384, 8192)]),
+        # Rows of 1.5 pages end on a page every second row: pieces of two rows.
+        (5, 6144, 1, [(0, 12288), (12288, 12288), (24576, 6144)]),
+        (5, 6144, 30000, [(0, 24576), (24576, 6144)]),
+        # 3000-byte rows meet a page boundary only every 512 rows: one piece here.
+        (5, 3000, 5000, [(0, 15000)]),
+        (1030, 3000, 1, [(0, 512 * 3000), (512 * 3000, 512 * 3000), (1024 * 3000, 6 * 3000)]),
+    ],
+)
+def test_pool_pieces_end_on_row_and_page_boundaries(
+    rows: int, row_bytes: int, piece_bytes: int, expected: list[tuple[int, int]]
+) -> None:
+    pieces = piece_ranges(rows, row_bytes, piece_bytes, page=4096)
+    assert pieces == expected
+    assert sum(length for _, length in pieces) == rows * row_bytes
+    for (offset, length), (following, _) in itertools.pairwise(pieces):
+        assert offset + length == following
+        assert following % row_bytes == 0 and following % 4096 == 0
+
+
+def test_engine_sized_pool_pieces_hold_whole_rows() -> None:
+    """The engine's rows are 16-byte multiples: at most page / 16 rows per period."""
+    for row_bytes in (16, 4112, 65552, 3 * 4096 + 16, 1 << 20):
+        pieces = piece_ranges(300, row_bytes, 64 << 10, page=4096)
+        assert all(offset % row_bytes == 0 and offset % 4096 == 0 for offset, _ in pieces)
+        assert max(length for _, length in pieces) <= max(64 << 10, 256 * row_bytes)

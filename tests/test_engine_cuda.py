@@ -6,6 +6,7 @@ All tests are marked ``cuda`` (skipped with a reason without a GPU) and run in
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -58,9 +59,20 @@ def host_bytes(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def drain(engine: TransferEngine, count: int) -> list:
-    results: list = []
+#: Seconds drain() waits for jobs: a job that never completes fails its test instead of
+#: spinning until the step's time limit kills the whole file (a CUDA synchronize cannot
+#: be interrupted by pytest-timeout's signal; get_finished only polls events). The jobs
+#: here move well under 1 MB (milliseconds); 30 s means a hang, not a slow job.
+DRAIN_SECONDS = 30.0
+
+
+def drain(engine: TransferEngine, count: int, seconds: float = DRAIN_SECONDS) -> list:
+    deadline = time.monotonic() + seconds
+    results: list = engine.get_finished()
     while len(results) < count:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{len(results)} of {count} jobs finished within {seconds} s")
+        time.sleep(0.0005)
         results += engine.get_finished()
     return results
 
@@ -238,6 +250,65 @@ def test_pool_pinned_in_pieces_with_one_device_mapping() -> None:
     engine.shutdown()
 
 
+def _row_sized_caches(seed: int) -> tuple[list, list[torch.Tensor]]:
+    """Rows of 1.5 OS pages (6,144 bytes): K/V of 3,072 bytes, Mamba conv 1,000 + SSM
+    5,000 bytes (odd sizes; the SSM slot crosses a page boundary inside the row)."""
+    device = torch.device("cuda")
+    kv = torch.empty(2, NUM_BLOCKS, 3072, dtype=torch.uint8, device=device)
+    conv = torch.empty(NUM_BLOCKS, 1000, dtype=torch.uint8, device=device)
+    ssm = torch.empty(NUM_BLOCKS, 5000, dtype=torch.uint8, device=device)
+    storages = [kv, conv, ssm]
+    for index, tensor in enumerate(storages):
+        random_fill(tensor, seed + index)
+    return [[(kv[0], kv[1])], [], [(conv, ssm)]], storages
+
+
+@pytest.mark.parametrize("backend", ["dma", "auto", "triton"])
+def test_jobs_across_pool_pieces_are_byte_exact(backend: str) -> None:
+    """One job's pages spread over every page-locked piece of the engine's own pool (the
+    smallest pieces: two rows each), stored and loaded back byte for byte."""
+    caches, storages = _row_sized_caches(seed=21)
+    # auto: 1,000-byte conv pages by the kernel, the rest by DMA, in one job.
+    options = {"crossover": 2048} if backend == "auto" else {}
+    engine = TransferEngine(
+        plan(1), caches, HOST_BLOCKS, backend=backend, pool_piece_bytes=1, **options
+    )
+    try:
+        pool = engine._pool
+        assert pool.locked_by == "cudaHostRegister", "cudaHostRegister was refused here"
+        assert engine.row_bytes == 6144 and len(pool._pieces) == HOST_BLOCKS // 2
+        base = engine.pool.data_ptr()
+        assert all((piece - base) % engine.row_stride == 0 for piece in pool._pieces)
+        engine.pool.fill_(0xA5)
+        pool_before = engine.pool.clone()
+        before = host_bytes(storages)
+        rows = torch.randperm(HOST_BLOCKS, generator=torch.Generator().manual_seed(3)).tolist()
+        gpu = [[5, 0, 9, 14, 3, 7], [], [2, 11, 8, 4, 13, 1]]
+        host = [rows[:6], [], rows[6:]]
+        assert engine.submit_store("s", gpu_blocks=gpu, host_blocks=host)
+        assert drain(engine, 1)[0].success
+        if backend == "auto":
+            assert engine.last_job_backend == "dma+triton"
+        assert all(torch.equal(a, b) for a, b in zip(host_bytes(storages), before, strict=True))
+        expected = pool_before.clone()
+        for group in (0, 2):
+            for index in engine.layout.group_planes[group]:
+                plane = engine.layout.planes[index]
+                for block, row in zip(gpu[group], host[group], strict=True):
+                    start = plane.pool_offset
+                    expected[row, start : start + plane.page_bytes] = plane.view[block].cpu()
+        assert torch.equal(engine.pool, expected)
+        for group in (0, 2):  # poison the stored blocks, then load them back
+            for index in engine.layout.group_planes[group]:
+                engine.layout.planes[index].view[gpu[group]] = 0xCD
+        assert engine.submit_load("l", gpu_blocks=gpu, host_blocks=host)
+        assert drain(engine, 1)[0].success
+        assert torch.equal(engine.pool, expected)
+        assert all(torch.equal(a, b) for a, b in zip(host_bytes(storages), before, strict=True))
+    finally:
+        engine.shutdown()
+
+
 def test_pageable_pool_and_cpu_backend_rejected() -> None:
     caches, _ = hybrid_caches()
     engine = TransferEngine(plan(1), caches, HOST_BLOCKS, backend="dma")
@@ -342,6 +413,11 @@ def test_calibration_runs_through_the_engine_and_leaves_the_caches() -> None:
         assert points and all(set(t) == {"dma", "triton"} for t in points.values())
         assert all(v > 0 for t in points.values() for v in t.values()), direction
     assert len(crossover.describe()) == sum(len(p) for p in crossover.grid.values())
+    for direction, points in crossover.grid.items():
+        assert set(crossover.host_timings[direction]) == set(points)
+        assert all(crossover.planes[point] >= 1 for point in points)
+    # Labelled by the blocks moved: 16 and 256 wanted, both capped at the 12 pool rows.
+    assert {blocks for _, blocks in crossover.grid[0]} == {min(NUM_BLOCKS, HOST_BLOCKS)}
     assert engine.get_finished() == []  # calibration jobs are not reported
     engine.shutdown()
 

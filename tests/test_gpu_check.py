@@ -1,11 +1,15 @@
 """bench/gpu_check.sh on a CPU-only machine: its --dry-run runs every step (the CUDA
 tests skip, the bench runs one tiny case) through the import shim, with the installed
-package hidden, and leaves at most 8 files in the output folder."""
+package hidden, and leaves at most 8 files in the output folder. Its plan fits the GPU
+slot (360 s by default), every CUDA test file that runs without vLLM is in it, a hung
+test file is killed without taking the step with it, and the test tree collects
+without vLLM."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import sysconfig
@@ -29,7 +33,15 @@ OUTPUTS = {
 }
 
 
-def _run(tmp_path: Path, *args: str, budget: int | None = None) -> subprocess.CompletedProcess:
+#: Step order of the check: the answers worth most first.
+STEPS = ("setup", "gpu-tests", "facts", "presets", "grid-sweep", "sweep", "summary")
+#: The GPU slot: 15 minutes for the machine's start, the check and one rerun.
+MAX_DEFAULT_BUDGET = 360
+
+
+def _run(
+    tmp_path: Path, *args: str, budget: int | None = None, env_extra: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     # A python that sees the environment's packages but not their .pth files: the
     # editable install of this package is invisible, so only the shim can import it.
     wrapper = tmp_path / "python-without-site"
@@ -44,14 +56,60 @@ def _run(tmp_path: Path, *args: str, budget: int | None = None) -> subprocess.Co
     env.update(PYTHON=str(wrapper), TMPDIR=str(tmp_path))
     if budget is not None:
         env["GPU_CHECK_BUDGET"] = str(budget)
+    env.update(env_extra or {})
     return subprocess.run(
         ["bash", str(SCRIPT), *args],
         cwd=tmp_path,
         env=env,
         capture_output=True,
         text=True,
-        timeout=200,
+        timeout=320,
     )
+
+
+def _plan(text: str, label: str) -> tuple[list[tuple[str, int]], int, int]:
+    """(steps with caps, their sum, the budget) of the plan line labelled ``label``."""
+    match = re.search(rf"^plan \({re.escape(label)}, budget (\d+) s\): (.*) = (\d+) s$", text, re.M)
+    assert match, text
+    steps = [(name, int(cap)) for name, cap in re.findall(r"([\w-]+) (\d+) s", match.group(2))]
+    return steps, int(match.group(3)), int(match.group(1))
+
+
+def test_default_plan_fits_the_gpu_slot(tmp_path: Path) -> None:
+    done = _run(tmp_path, str(tmp_path / "out"), "--plan")
+    assert done.returncode == 0, done.stderr
+    steps, total, budget = _plan(done.stdout, "GPU run, default")
+    assert budget <= MAX_DEFAULT_BUDGET
+    assert total <= budget
+    assert tuple(name for name, _ in steps) == STEPS
+    assert sum(cap for _, cap in steps) == total
+    dry_steps, dry_total, dry_budget = _plan(done.stdout, "dry run, default")
+    assert tuple(name for name, _ in dry_steps) == STEPS and dry_total <= dry_budget
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+CUDA_MARK = re.compile(r"^(pytestmark = pytest\.mark\.cuda|\s*@pytest\.mark\.cuda)\b", re.M)
+
+
+def _needs_vllm(path: Path) -> bool:
+    text = path.read_text()
+    return bool(re.search(r"^\s*(from|import) (vllm|triton_offload\.vllm)\b", text, re.M))
+
+
+def test_every_cuda_test_file_that_runs_without_vllm_is_checked() -> None:
+    listed = re.findall(r'^  "([\w/.]+\.py) \d+ \d+"$', SCRIPT.read_text(), re.M)
+    marked = {
+        str(path.relative_to(ROOT))
+        for folder in ("tests", "bench/suites")
+        for path in sorted((ROOT / folder).glob("*.py"))
+        if CUDA_MARK.search(path.read_text()) and not _needs_vllm(path)
+    }
+    assert "tests/test_engine_expedited.py" in marked
+    assert "tests/test_kernel_specialization.py" in marked
+    assert set(listed) == marked
+    assert len(listed) == len(set(listed))
+    # The first file is the engine's: pinned pool, streams, DMA, calibration.
+    assert listed[0] == "tests/test_engine_cuda.py"
 
 
 def test_script_parses_and_refuses_bad_arguments(tmp_path: Path) -> None:
@@ -68,22 +126,40 @@ def test_dry_run_runs_every_step_through_the_shim(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     assert "using the shim" in summary
     assert f"kernels {tmp_path}" in summary  # the kernels came from the shim's tree
-    for name in ("gpu-tests", "presets", "grid-sweep", "sweep"):
-        assert f"\n{name:<16} rc=0 " in summary, summary
+    # The step order and the time budget, of the GPU run and of this dry run.
+    _, gpu_total, gpu_budget = _plan(summary, "GPU run, default")
+    assert gpu_total <= gpu_budget <= MAX_DEFAULT_BUDGET
+    _, dry_total, dry_budget = _plan(summary, "this dry run")
+    assert dry_total <= dry_budget
+    positions = [summary.index(f"\n{name:<16} rc=0 ") for name in STEPS[1:-1]]
+    assert positions == sorted(positions), summary  # run in the plan's order
+    wall = int(re.search(r"^wall (\d+) s of (\d+) s; exit 0$", summary, re.M).group(1))
+    assert wall <= dry_budget
+    for file in ("tests/test_engine_cuda.py", "tests/test_engine_expedited.py"):
+        assert re.search(rf"^  {re.escape(file)} rc=0 \d+ s$", summary, re.M), summary
+    assert "calibration     not run: needs CUDA" in summary
+    assert "kernel: not compiled: no CUDA device here" in summary
     # The launch-grid sweep ran (interpreted) and the summary states what it would pick.
     assert "grid sweep picks num_programs=" in summary
     assert "choice per-plane vs per-job: not run (needs CUDA copy engines)" in summary
     files = {p.name for p in out.iterdir()}
     assert files == OUTPUTS and len(files) <= 8
-    suite = ET.parse(out / "gpu-tests.xml").getroot().find("testsuite")
-    assert suite is not None
-    assert int(suite.get("tests", 0)) > 0 and int(suite.get("skipped", 0)) > 0
-    assert suite.get("failures") == "0" and suite.get("errors") == "0"
+    merged = ET.parse(out / "gpu-tests.xml").getroot()
+    assert merged.tag == "testsuites"
+    assert {suite.get("name") for suite in merged} >= {"test_engine_cuda", "test_engine_expedited"}
+    assert int(merged.get("tests", 0)) > 0 and int(merged.get("skipped", 0)) > 0
+    assert merged.get("failures") == "0" and merged.get("errors") == "0"
     assert "## " in (out / "presets-report.md").read_text()
     with tarfile.open(out / "details.tar.gz") as archive:
         names = set(archive.getnames())
         assert {"./versions.txt", "./install.log", "./nvidia-smi.txt"} <= names
         assert {"./grid-sweep/grid-sweep.json", "./grid-sweep/grid-sweep.txt"} <= names
+        assert "./grid-sweep/grid-sweep.jsonl" in names  # the points, as measured
+        facts = {"./facts/info-calibrate.txt", "./facts/kernel-resources.txt", "./facts/env.txt"}
+        assert facts <= names
+        assert "./junit/test_engine_cuda.xml" in names
+        env = archive.extractfile("./facts/env.txt").read().decode()
+        assert "--- pip list" in env and "ulimit -l" in env
         assert not any(name.startswith("./shim") for name in names)
         for bench in ("presets", "sweep"):
             results = json.load(archive.extractfile(f"./{bench}/results.json"))
@@ -99,7 +175,68 @@ def test_spent_budget_skips_steps_and_still_reports(tmp_path: Path, budget: int)
     done = _run(tmp_path, str(out), "--dry-run", budget=budget)
     assert done.returncode == 1
     summary = (out / "summary.txt").read_text()
-    for name in ("gpu-tests", "presets", "grid-sweep", "sweep"):
+    for name in STEPS[1:-1]:
         assert f"\n{name:<16} skipped " in summary, summary
     assert "budget spent" in summary
     assert (out / "details.tar.gz").stat().st_size > 0
+
+
+def test_a_hung_test_file_is_killed_and_reported(tmp_path: Path) -> None:
+    """A file whose process never returns (a hung synchronize looks the same from
+    outside) is killed at its limit; the next file still runs, the merged XML counts
+    the killed file as an error, and the step fails."""
+    hung = tmp_path / "test_hung_probe.py"
+    # Deaf to SIGINT, as a process inside a CUDA call is: only the KILL ends it.
+    hung.write_text(
+        "import signal\nimport time\n\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        "time.sleep(600)\n"
+    )
+    files = f"{hung} 12 0;tests/test_engine_expedited.py 30 20"
+    out = tmp_path / "out"
+    done = _run(
+        tmp_path, str(out), "--dry-run", budget=75, env_extra={"GPU_CHECK_TEST_FILES": files}
+    )
+    summary = (out / "summary.txt").read_text()
+    assert done.returncode == 1, summary
+    assert re.search(
+        rf"^  {re.escape(str(hung))} rc=(124|137) \d+ s TIMED OUT after 12 s$", summary, re.M
+    ), summary
+    assert re.search(r"^  tests/test_engine_expedited.py rc=0 \d+ s$", summary, re.M), summary
+    assert "\ngpu-tests        rc=1 " in summary
+    merged = ET.parse(out / "gpu-tests.xml").getroot()
+    killed = [s for s in merged if s.get("name") == "test_hung_probe"]
+    assert any(s.get("errors") == "1" for s in killed)
+    assert int(merged.get("errors")) >= 1
+
+
+def test_cuda_tests_collect_without_vllm(tmp_path: Path) -> None:
+    """`pytest -m cuda` on a machine without vLLM: the vLLM test files skip with a
+    reason instead of failing to collect (vLLM is hidden by a plugin here)."""
+    plugin = tmp_path / "hide_vllm.py"
+    plugin.write_text("import sys\n\nsys.modules['vllm'] = None  # import vllm -> ImportError\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(tmp_path)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "hide_vllm",
+            "-m",
+            "cuda",
+            "--co",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-rs",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "error" not in done.stdout.splitlines()[-1].lower(), done.stdout[-2000:]
+    assert "tests/test_engine_cuda.py::" in done.stdout

@@ -60,7 +60,9 @@ def compile_kernel(capability: int, out_dir: str) -> dict[str, object]:
     target = GPUTarget("cuda", capability, 32)
     backend = make_backend(target)
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-    _, specialization, options = binder(*cb._empty_job(torch.device("cpu")), **cb._LAUNCH_OPTIONS)
+    _, specialization, options = binder(
+        *cb._empty_job(torch.device("cpu")), **cb._launch_options(cb.TILE_BYTES)
+    )
     names = [param.name for param in kernel.params]
     source = triton.compiler.ASTSource(
         fn=kernel,

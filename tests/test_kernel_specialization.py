@@ -75,7 +75,9 @@ def specializations() -> dict[str, str]:
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     found = {}
     for name, arguments in job_arguments(torch.device("cpu")).items():
-        _, specialization, options = binder(*arguments, **copy_blocks._LAUNCH_OPTIONS)
+        _, specialization, options = binder(
+            *arguments, **copy_blocks._launch_options(copy_blocks.TILE_BYTES)
+        )
         found[name] = json.dumps([list(spec) for spec in specialization] + [options])
     return found
 
@@ -117,7 +119,7 @@ def test_warm_up_compiles_the_kernel_every_job_uses() -> None:
     assert compiled >= 1
     # Launch each job of the CPU test on the GPU: none may add a compiled kernel.
     for arguments in job_arguments(torch.device("cuda")).values():
-        kernel[(1,)](*arguments, **copy_blocks._LAUNCH_OPTIONS)
+        kernel[(1,)](*arguments, **copy_blocks._launch_options(copy_blocks.TILE_BYTES))
     torch.cuda.synchronize()
     assert len(cache) == compiled
 

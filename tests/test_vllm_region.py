@@ -45,6 +45,8 @@ try:
     VLLM_ERROR: str | None = None
 except ImportError as error:  # pragma: no cover - exercised where vllm is absent
     VLLM_ERROR = f"vllm cannot be imported: {error}"
+    # Module-level names below call vLLM's classes: skip before they run.
+    pytest.skip(VLLM_ERROR, allow_module_level=True)
 
 pytestmark = pytest.mark.skipif(VLLM_ERROR is not None, reason=VLLM_ERROR or "")
 

@@ -96,6 +96,12 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         help="add the raw sweep: page size x pages per job x direction",
     )
     parser.add_argument(
+        "--sweep-only",
+        action="store_true",
+        help="the raw sweep without the model presets (gpu_check's last step: the presets "
+        "were measured by the step before)",
+    )
+    parser.add_argument(
         "--presets",
         type=_choices("preset", PRESET_NAMES),
         default=list(PRESET_NAMES),
@@ -184,8 +190,8 @@ def run(args: argparse.Namespace) -> int:
     )
     pages = args.pages or ([16, 1024] if args.quick else list(cases.SWEEP_PAGES))
     config = harness.Config(
-        presets=args.presets,
-        sweep=args.sweep,
+        presets=[] if args.sweep_only else args.presets,
+        sweep=args.sweep or args.sweep_only,
         directions=args.directions,
         repeats=args.repeats or repeats,
         warmup=warmup if args.warmup is None else args.warmup,

@@ -26,8 +26,9 @@ def calibration_report() -> list[str]:
 
     Layout: 8 K/V planes of 4 KiB (attention, 16-token blocks at 8 KV heads x 128
     x bf16 / TP 4) and a Mamba group with a 1,536-byte conv and a 256 KiB SSM plane;
-    one line per grid point with both copiers' times. Without CUDA there is nothing to
-    measure and the line says so.
+    one line per grid point (labelled by the blocks and planes its jobs moved) with both
+    copiers' device and host times. Without CUDA there is nothing to measure and the
+    line says so.
     """
     import torch
 
@@ -48,7 +49,11 @@ def calibration_report() -> list[str]:
     engine = TransferEngine(plan, caches, 2 * blocks, backend="auto")
     try:
         assert engine.crossover is not None  # an auto engine on CUDA calibrates
-        return engine.crossover.describe()
+        gate = (
+            f"device time only: each job's lane held by a {engine._gate_cycles}-cycle spin "
+            "until the job was enqueued; host time (prepare + enqueue) in brackets"
+        )
+        return [*engine.crossover.describe(), gate]
     finally:
         engine.shutdown()
 

@@ -250,6 +250,9 @@ class KernelTables:
     mean_tile_bytes: int
     device: torch.device
     planes: tuple[int, ...]
+    #: Most bytes of one tile: the tables were cut with it and every launch passes it
+    #: as the kernel's ``TILE_BYTES`` (a launch at another size drops or overruns bytes).
+    tile_bytes: int
 
 
 def kernel_tables(
@@ -259,7 +262,13 @@ def kernel_tables(
     device: torch.device,
     planes: Sequence[int] | None = None,
 ) -> KernelTables:
-    """Cut the given planes (all when None) into tiles of at most ``tile_bytes``; upload."""
+    """Cut the given planes (all when None) into tiles of at most ``tile_bytes``; upload.
+
+    ``tile_bytes`` must be a power of two of at least 16 bytes: the kernel copies one
+    tile in ``tile_bytes // 16`` lanes of 16 bytes, and a lane count must be a power of
+    two (``tl.arange``). ValueError otherwise, before anything is uploaded.
+    """
+    check_tile_bytes(tile_bytes)
     chosen = tuple(range(len(layout.planes))) if planes is None else tuple(sorted(planes))
     wanted = set(chosen)
     tiles: list[tuple[int, int, int, int, int]] = []
@@ -289,7 +298,19 @@ def kernel_tables(
         mean_tile_bytes=sum(t[4] for t in tiles) // len(tiles) if tiles else tile_bytes,
         device=device,
         planes=chosen,
+        tile_bytes=tile_bytes,
     )
+
+
+def check_tile_bytes(tile_bytes: object) -> int:
+    """``tile_bytes`` as an int, or ValueError/TypeError naming it (see kernel_tables)."""
+    value = check_int("tile_bytes", tile_bytes, 1)
+    if value < 16 or value & (value - 1):
+        raise ValueError(
+            f"tile_bytes {value} must be a power of two of at least 16 bytes (the kernel "
+            "copies a tile in tile_bytes // 16 lanes of 16 bytes)"
+        )
+    return value
 
 
 def _pinned_int64(numel: int) -> torch.Tensor:
@@ -396,8 +417,14 @@ class TritonCopier(Copier):
         cuda: bool,
         num_programs: int | None = None,
         kernels: ModuleType | None = None,
+        tile_bytes: int | None = None,
     ) -> None:
         self.kernels = load_kernels(self.name, cuda) if kernels is None else kernels
+        #: Tile size the tables are cut at and every launch runs with (the launcher's
+        #: ``TILE_BYTES`` unless given: the grid sweep tries others).
+        self.tile_bytes = check_tile_bytes(
+            self.kernels.TILE_BYTES if tile_bytes is None else tile_bytes
+        )
         self.layout = layout
         self.pool_address = pool_address
         self.row_stride = row_stride
@@ -413,9 +440,7 @@ class TritonCopier(Copier):
         self._uploads: dict[tuple[int, ...], tuple[Any, set[int]]] = {}
 
     def _tables(self, planes: PlaneSubset) -> KernelTables:
-        return kernel_tables(
-            self.layout, self.row_stride, self.kernels.TILE_BYTES, self.device, planes
-        )
+        return kernel_tables(self.layout, self.row_stride, self.tile_bytes, self.device, planes)
 
     def tables_for(self, planes: PlaneSubset, stream: Any = None) -> KernelTables:
         """Static tables of a plane subset: built once per subset, then reused.
@@ -450,7 +475,7 @@ class TritonCopier(Copier):
 
     def _upload_tables(self, planes: tuple[int, ...], stream: Any, handle: int) -> KernelTables:
         staged_tables = kernel_tables(
-            self.layout, self.row_stride, self.kernels.TILE_BYTES, torch.device("cpu"), planes
+            self.layout, self.row_stride, self.tile_bytes, torch.device("cpu"), planes
         )
         tiles = staged_tables.tile_table.reshape(-1)
         groups = staged_tables.group_table.reshape(-1)
@@ -479,7 +504,7 @@ class TritonCopier(Copier):
         No kernel argument is specialized, so the one kernel compiled for this device
         serves every later job, whatever its tables, pair count or pool address.
         """
-        self.kernels.warm_up(self.device)
+        self.kernels.warm_up(self.device, self.tile_bytes)
 
     def grid(self, tables: KernelTables) -> int:
         if self.num_programs is not None:
@@ -585,6 +610,7 @@ __all__ = [
     "KernelTables",
     "StagingRing",
     "TritonCopier",
+    "check_tile_bytes",
     "copy_blocks",
     "kernel_tables",
     "load_kernels",

@@ -149,6 +149,26 @@ class TransferResult:
     transfer_time: float
 
 
+@dataclass(frozen=True)
+class TimedRun:
+    """One calibration job's seconds: ``device_s`` between its start and end events,
+    ``host_s`` to prepare and enqueue it; ``gated``: the lane was held until the whole
+    job was enqueued (so ``device_s`` holds no host time)."""
+
+    device_s: float
+    host_s: float
+    gated: bool
+
+
+#: Spin cycles that first hold a lane before a timed calibration job: ~1 ms at the
+#: 1.98 GHz boost clock of an H100/H200. A calibration job is at most a few thousand
+#: pages, and DMA submission costs ~0.5 us per descriptor (DESIGN.md, section 5): about
+#: 0.5 ms for 1,000 runs. A job that outlasts its gate doubles it (see _run_gated).
+_GATE_CYCLES = 2_000_000
+#: ~135 ms at 2 GHz: past this the enqueue itself is the problem, not the gate.
+_MAX_GATE_CYCLES = 1 << 28
+
+
 @dataclass
 class _Job:
     job_id: Hashable
@@ -345,6 +365,7 @@ class TransferEngine:
         # CPU: one job per lane copies at a time (the CUDA streams' FIFO order);
         # copies run outside _lock so that get_finished never waits for a copy.
         self._copy_locks = {lane: threading.Lock() for lane in _LANES}
+        self._gate_cycles = _GATE_CYCLES  # see _run_gated
         self.last_job_table: PairTable | None = None
         self.last_job_backend: str | None = None
         self.last_job_assignment: Assignment | None = None
@@ -573,8 +594,44 @@ class TransferEngine:
             job.holds.release_after(job.end)
             job.finished.set()
 
+    def _run_gated(self, spec: JobSpec, direction: int, assignment: Assignment) -> TimedRun:
+        """Run one job like :meth:`_run_now`, its device time apart from its host time.
+
+        On an idle stream the start event completes as soon as it is recorded, and the
+        copy follows only when the host has enqueued it: the span would count Python and
+        driver enqueue time (biasing small jobs toward whichever copier enqueues
+        faster). So the lane is first held by a spin kernel (``torch.cuda._sleep``)
+        that outlasts the enqueue of the whole job; the start event then completes
+        when the copy can begin. If the gate ended before the job was enqueued (its
+        event already completed), the job is run again behind a gate twice as long.
+        Without CUDA the copy is timed alone (the engine's wall clock around it).
+        """
+        if not self.cuda:
+            began = time.perf_counter()
+            result = self._run_now(spec, direction, assignment)
+            wall = time.perf_counter() - began
+            return TimedRun(result.transfer_time, wall - result.transfer_time, gated=True)
+        lane = self._streams[direction]
+        while True:
+            gate = torch.cuda.Event()
+            with torch.cuda.device(self.device), torch.cuda.stream(lane):
+                torch.cuda._sleep(self._gate_cycles)
+                gate.record(lane)
+            began = time.perf_counter()
+            job = self._start_unreported(spec, direction, assignment)
+            host = time.perf_counter() - began
+            held = not gate.query()
+            result = self._finish_unreported(job)
+            if held or self._gate_cycles >= _MAX_GATE_CYCLES:
+                return TimedRun(result.transfer_time, host, gated=held)
+            self._gate_cycles *= 2
+
     def _run_now(self, spec: JobSpec, direction: int, assignment: Assignment) -> TransferResult:
         """Run one job with a forced assignment and wait for it (calibration); not reported."""
+        return self._finish_unreported(self._start_unreported(spec, direction, assignment))
+
+    def _start_unreported(self, spec: JobSpec, direction: int, assignment: Assignment) -> _Job:
+        """Enqueue (CUDA) or run (CPU) a job that ``get_finished`` will not report."""
         job_id = ("calibration", object())
         self._submit(job_id, spec, direction, assignment)
         with self._lock:
@@ -583,12 +640,16 @@ class TransferEngine:
                 self._queues[job.lane].remove(job)
             else:
                 self._finished.remove(job)
+        return job
+
+    def _finish_unreported(self, job: _Job) -> TransferResult:
+        """Wait for a job of :meth:`_start_unreported`; RuntimeError when it failed."""
         if self.cuda:
             job.end.synchronize()
         job.holds.keep_alive.clear()
         result = job.result()
         if not result.success:
-            raise RuntimeError(f"calibration {DIRECTION_NAMES[direction]} job failed")
+            raise RuntimeError(f"calibration {DIRECTION_NAMES[job.direction]} job failed")
         return result
 
     # ------------------------------------------------------------------ finish
@@ -684,6 +745,7 @@ __all__ = [
     "Crossover",
     "DmaCopier",
     "JobSpec",
+    "TimedRun",
     "TransferEngine",
     "TransferResult",
     "calibrate",

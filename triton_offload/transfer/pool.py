@@ -1,7 +1,7 @@
 """Host pool allocation: ``rows`` x ``row_bytes`` bytes, one chunk of one group per row.
 
 On CUDA the pool is ordinary host memory that is page-locked with
-``cudaHostRegister`` in pieces (``piece_bytes`` each) rather than one
+``cudaHostRegister`` in pieces of whole rows (about ``piece_bytes`` each) rather than one
 ``torch.empty(pin_memory=True)``: torch's pinned allocator rounds every request up to
 a power of two (a 40 GiB pool would lock 64 GiB), and locking hundreds of GiB in one
 call can fail or stall where smaller pieces succeed. Kernels reach the pool through
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import mmap
 import os
 import weakref
@@ -35,8 +36,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-#: Size of each ``cudaHostRegister`` call. 1 GiB keeps a single registration short
-#: (it touches and locks every page) while a 100 GiB pool needs only ~100 calls.
+#: Size of each ``cudaHostRegister`` call (whole rows, see ``piece_ranges``). 1 GiB keeps a
+#: single registration short (it touches and locks every page) while a 100 GiB pool
+#: needs only ~100 calls.
 DEFAULT_PIECE_BYTES = 1 << 30
 
 _CUDA_HOST_REGISTER_PORTABLE = 1
@@ -243,6 +245,27 @@ def host_memory_bytes() -> int | None:
         return None
 
 
+def piece_ranges(
+    rows: int, row_bytes: int, piece_bytes: int, page: int = mmap.PAGESIZE
+) -> list[tuple[int, int]]:
+    """(offset, length) of each ``cudaHostRegister`` piece of a ``rows x row_bytes`` pool.
+
+    Pieces hold whole rows, so no page of a row (and no copy: a DMA run never leaves its
+    row) straddles two registrations, as in the vLLM region's ``lock_ranges``: a batched
+    copy across two registrations is a case the driver is never given. Every piece but
+    the last is also a whole number of OS pages (the pool starts on a page), so no page
+    is registered twice: rows per piece are a multiple of ``page / gcd(page,
+    row_bytes)`` (1 when rows are page multiples; at most ``page / 16`` rows for the
+    engine's 16-byte-rounded rows), as many as fit in ``piece_bytes`` but at least that
+    period.
+    """
+    period = page // math.gcd(page, row_bytes)
+    rows_per_piece = max(period, piece_bytes // row_bytes // period * period)
+    step = rows_per_piece * row_bytes
+    total = rows * row_bytes
+    return [(offset, min(step, total - offset)) for offset in range(0, total, step)]
+
+
 def allocate_pool(
     rows: int,
     row_bytes: int,
@@ -250,7 +273,8 @@ def allocate_pool(
     pinned: bool,
     piece_bytes: int = DEFAULT_PIECE_BYTES,
 ) -> HostPool:
-    """Allocate a zero-filled pool; page-lock it in pieces when ``pinned``."""
+    """Allocate a zero-filled pool; page-lock it when ``pinned``, in the pieces of
+    :func:`piece_ranges` (whole rows, about ``piece_bytes`` each)."""
     if rows < 1:
         raise ValueError(f"num_host_blocks {rows} must be >= 1")
     if row_bytes < 1:
@@ -268,9 +292,7 @@ def allocate_pool(
     if not pinned:
         tensor = torch.zeros((rows, row_bytes), dtype=torch.uint8)
         return HostPool(tensor=tensor, device_address=tensor.data_ptr(), pinned=False)
-    # Page-aligned start and page-multiple pieces: no page is shared by two registrations.
     page = mmap.PAGESIZE
-    piece_bytes = (piece_bytes + page - 1) // page * page
     total = rows * row_bytes
     backing = torch.zeros(total + page, dtype=torch.uint8)
     skip = -backing.data_ptr() % page
@@ -280,8 +302,7 @@ def allocate_pool(
     pieces: list[int] = []
     try:
         device_base: int | None = None
-        for start in range(0, total, piece_bytes):
-            size = min(piece_bytes, total - start)
+        for start, size in piece_ranges(rows, row_bytes, piece_bytes, page):
             api.register(base + start, size)
             pieces.append(base + start)
             address = api.device_pointer(base + start)
@@ -394,6 +415,7 @@ __all__ = [
     "cuda_api",
     "device_address_of_pinned",
     "host_memory_bytes",
+    "piece_ranges",
     "row_stride_of",
     "wrap_pool",
 ]

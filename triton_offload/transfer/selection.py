@@ -40,8 +40,11 @@ PATH_CHOICES = ("plane", "job")
 class Crossover:
     """Per direction, the winner measured at grid points (page bytes, pages per job).
 
-    ``threshold`` (configured) overrides the grid: DMA for pages of at least that many
-    bytes. ``timings`` keeps the measured seconds per point and copier (for ``info``).
+    A point ``(page bytes, blocks)`` is labelled by what its calibration job moved:
+    ``blocks`` pages of each of ``planes[point]`` planes. ``threshold`` (configured)
+    overrides the grid: DMA for pages of at least that many bytes. ``timings`` keeps the
+    measured device seconds per point and copier, ``host_timings`` the host seconds to
+    prepare and enqueue the same jobs (for ``info``; the choice uses device time).
     """
 
     grid: Mapping[int, Mapping[tuple[int, int], str]] = field(default_factory=dict)
@@ -49,6 +52,10 @@ class Crossover:
     timings: Mapping[int, Mapping[tuple[int, int], Mapping[str, float]]] = field(
         default_factory=dict
     )
+    host_timings: Mapping[int, Mapping[tuple[int, int], Mapping[str, float]]] = field(
+        default_factory=dict
+    )
+    planes: Mapping[tuple[int, int], int] = field(default_factory=dict)
 
     def choose(self, direction: int, page_bytes: float, pages: int) -> str:
         if self.threshold is not None:
@@ -76,10 +83,17 @@ class Crossover:
         for direction, points in sorted(self.grid.items()):
             for (page, pages), winner in sorted(points.items()):
                 times = self.timings.get(direction, {}).get((page, pages), {})
-                detail = ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in sorted(times.items()))
+                hosts = self.host_timings.get(direction, {}).get((page, pages), {})
+                detail = ", ".join(
+                    f"{k} {v * 1e6:.1f} us"
+                    + (f" (host {hosts[k] * 1e6:.1f} us)" if k in hosts else "")
+                    for k, v in sorted(times.items())
+                )
+                planes = self.planes.get((page, pages))
+                moved = f" ({planes} planes, {planes * pages} pages)" if planes else ""
                 lines.append(
-                    f"{DIRECTION_NAMES[direction]} page {page} B x {pages}: {winner}"
-                    + (f" ({detail})" if detail else "")
+                    f"{DIRECTION_NAMES[direction]} page {page} B x {pages} blocks{moved}: "
+                    f"{winner}" + (f": device {detail}" if detail else "")
                 )
         return lines
 
@@ -214,9 +228,15 @@ class CrossoverPath(PathPolicy):
         return result
 
 
-#: Calibration grid: pages per plane in a job (the page sizes are the layout's own).
+#: Calibration grid: pages per plane in a job, i.e. the GPU blocks of the job's group
+#: (the page sizes are the layout's own). 256 is above a real job's 128 blocks (a
+#: 2k-token prompt at 16-token blocks), 16 a short one's.
 CALIBRATION_PAGES = (16, 256)
 #: Bytes per calibration job at most; keeps the whole start-up measurement to a few ms.
+#: When a point's blocks x planes exceed it, the job moves fewer of the group's planes
+#: (each with the point's block count), and fewer blocks only once one plane alone
+#: exceeds it: a point is labelled by the blocks it moved, and a plane's choice in a
+#: real job depends on its block count (see ``CrossoverPath``).
 CALIBRATION_MAX_BYTES = 16 << 20
 #: Timed repeats per point (after one warm-up job), median taken.
 CALIBRATION_REPEATS = 3
@@ -252,10 +272,26 @@ def _calibration_page_sizes(layout: CacheLayout, limit: int = 4) -> list[int]:
     return sorted({sizes[i] for i in picks})
 
 
-def _calibration_job(
+@dataclass(frozen=True)
+class CalibrationJob:
+    """One grid point's job: ``blocks`` GPU blocks of one group (the point's label), each
+    moving its page of every plane in ``planes`` (all ``page`` bytes)."""
+
+    spec: JobSpec
+    page: int
+    blocks: int
+    planes: tuple[int, ...]
+
+
+def calibration_job(
     engine: TransferEngine, page: int, wanted: int, rng: np.random.Generator
-) -> tuple[JobSpec, tuple[int, ...], int] | None:
-    """A job on the group with the most planes of ``page`` bytes: (spec, planes, pages)."""
+) -> CalibrationJob | None:
+    """A job of about ``wanted`` blocks on the group with the most planes of ``page`` bytes.
+
+    Blocks are capped by the group's blocks and the calibration rows only; the byte cap
+    takes planes away first (spread over the group's layers), and blocks only when a
+    single plane of ``wanted`` blocks exceeds it.
+    """
     layout = engine.layout
     best = max(
         range(layout.num_groups),
@@ -266,56 +302,75 @@ def _calibration_job(
         return None
     bpc = layout.blocks_per_chunk
     own_rows = np.asarray(engine.calibration_rows, dtype=np.int64)
-    pages = min(
+    blocks = min(
         wanted,
         layout.group_num_blocks[best],
         own_rows.size * bpc,
-        max(1, CALIBRATION_MAX_BYTES // (page * len(planes))),
+        max(1, CALIBRATION_MAX_BYTES // page),
     )
+    count = max(1, min(len(planes), CALIBRATION_MAX_BYTES // (page * blocks)))
+    chosen = tuple(planes[i] for i in np.linspace(0, len(planes) - 1, count).round().astype(int))
     # Scattered blocks and rows, as in real jobs (runs merge only where they would).
-    blocks = rng.permutation(layout.group_num_blocks[best])[:pages]
-    rows = own_rows[rng.permutation(own_rows.size)[: -(-pages // bpc)]]
-    gpu = [blocks if g == best else [] for g in range(layout.num_groups)]
+    gpu_blocks = rng.permutation(layout.group_num_blocks[best])[:blocks]
+    rows = own_rows[rng.permutation(own_rows.size)[: -(-blocks // bpc)]]
+    gpu = [gpu_blocks if g == best else [] for g in range(layout.num_groups)]
     host = [rows if g == best else [] for g in range(layout.num_groups)]
-    return JobSpec(gpu, host), planes, pages
+    return CalibrationJob(JobSpec(gpu, host), page, blocks, tuple(sorted(set(chosen))))
+
+
+def _time_point(
+    engine: TransferEngine, job: CalibrationJob, names: tuple[str, ...]
+) -> dict[int, dict[str, tuple[float, float]]]:
+    """Per direction and copier: median (device, host) seconds of the point's job."""
+    device: dict[int, dict[str, list[float]]] = {d: {n: [] for n in names} for d in _DIRECTIONS}
+    host: dict[int, dict[str, list[float]]] = {d: {n: [] for n in names} for d in _DIRECTIONS}
+    for repeat in range(CALIBRATION_REPEATS + 1):
+        for name in names:
+            for direction in _DIRECTIONS:
+                run = engine._run_gated(job.spec, direction, ((name, job.planes),))
+                if repeat:  # the first round warms up (compilation, first touch)
+                    device[direction][name].append(run.device_s)
+                    host[direction][name].append(run.host_s)
+    return {
+        d: {n: (float(np.median(device[d][n])), float(np.median(host[d][n]))) for n in names}
+        for d in _DIRECTIONS
+    }
+
+
+_DIRECTIONS = (TO_POOL, FROM_POOL)
 
 
 def calibrate(engine: TransferEngine, names: tuple[str, str] = ("triton", "dma")) -> Crossover:
     """Time the copiers against each other per direction, through the engine's submit path.
 
-    Grid: each distinct page size of the layout (up to 4) x ``CALIBRATION_PAGES`` pages.
-    Each point is a real job on the engine's own layout restricted to the planes of that
-    size (one group), timed by the engine's own start/end events, stores and loads
-    alternating on the same blocks and rows: a load writes back the bytes the store just
-    read, so the caches end as they began. Pool rows in ``engine.calibration_rows`` are
-    overwritten (at construction the engine has stored nothing yet); no other row is
-    touched.
+    Grid: each distinct page size of the layout (up to 4) x ``CALIBRATION_PAGES`` blocks,
+    each point keyed by the blocks its job really moved (two wanted counts that cap to
+    the same blocks are one point). Each point is a real job on the engine's own layout
+    restricted to planes of that size (one group), timed by the engine's own start/end
+    events with the lane held until the job was enqueued (``_run_gated``: device time
+    only; host time is kept apart), stores and loads alternating on the same blocks and
+    rows: a load writes back the bytes the store just read, so the caches end as they
+    began. Pool rows in ``engine.calibration_rows`` are overwritten (at construction
+    the engine has stored nothing yet); no other row is touched.
     """
     rng = np.random.default_rng(0)
-    grid: dict[int, dict[tuple[int, int], str]] = {TO_POOL: {}, FROM_POOL: {}}
-    timings: dict[int, dict[tuple[int, int], dict[str, float]]] = {TO_POOL: {}, FROM_POOL: {}}
+    grid: dict[int, dict[tuple[int, int], str]] = {d: {} for d in _DIRECTIONS}
+    timings: dict[int, dict[tuple[int, int], dict[str, float]]] = {d: {} for d in _DIRECTIONS}
+    host: dict[int, dict[tuple[int, int], dict[str, float]]] = {d: {} for d in _DIRECTIONS}
+    planes: dict[tuple[int, int], int] = {}
     for page in _calibration_page_sizes(engine.layout):
         for wanted in CALIBRATION_PAGES:
-            job = _calibration_job(engine, page, wanted, rng)
-            if job is None:
+            job = calibration_job(engine, page, wanted, rng)
+            if job is None or (page, job.blocks) in planes:
                 continue
-            spec, planes, _pages = job
-            seconds: dict[int, dict[str, list[float]]] = {
-                TO_POOL: {n: [] for n in names},
-                FROM_POOL: {n: [] for n in names},
-            }
-            for repeat in range(CALIBRATION_REPEATS + 1):
-                for name in names:
-                    for direction in (TO_POOL, FROM_POOL):
-                        result = engine._run_now(spec, direction, ((name, planes),))
-                        if repeat:  # the first round warms up (compilation, first touch)
-                            seconds[direction][name].append(result.transfer_time)
-            for direction in (TO_POOL, FROM_POOL):
-                medians = {n: float(np.median(t)) for n, t in seconds[direction].items()}
-                winner = min(medians, key=medians.__getitem__)
-                grid[direction][(page, wanted)] = winner
-                timings[direction][(page, wanted)] = medians
-    crossover = Crossover(grid=grid, timings=timings)
+            key = (page, job.blocks)
+            planes[key] = len(job.planes)
+            for direction, medians in _time_point(engine, job, names).items():
+                device_s = {n: t[0] for n, t in medians.items()}
+                grid[direction][key] = min(device_s, key=device_s.__getitem__)
+                timings[direction][key] = device_s
+                host[direction][key] = {n: t[1] for n, t in medians.items()}
+    crossover = Crossover(grid=grid, timings=timings, host_timings=host, planes=planes)
     for line in crossover.describe():
         logger.info("calibration %s", line)
     return crossover
@@ -326,12 +381,14 @@ __all__ = [
     "CALIBRATION_PAGES",
     "PATH_CHOICES",
     "Assignment",
+    "CalibrationJob",
     "Crossover",
     "CrossoverPath",
     "FixedPath",
     "PathChoice",
     "PathPolicy",
     "calibrate",
+    "calibration_job",
     "calibration_slice",
     "parse_crossover",
 ]
