@@ -102,13 +102,18 @@ class TritonOffloadingConnectorScheduler(OffloadingConnectorScheduler):  # type:
         the same cache specs and is span-checked against the spec's ``OffloadingConfig``;
         ``TritonOffloadingConnector`` plans once and gives vLLM's scheduler this class."""
         super().__init__(spec, vllm_config, kv_cache_config)
+        groups = self.config.kv_group_configs
         plan = plan_from_kv_cache_config(
             kv_cache_config,
-            get_offloading_group_ids(kv_cache_config),
+            [group.group_idx for group in groups],
             vllm_config.parallel_config,
-            int(spec.config.cache.blocks_per_chunk),
+            int(self.config.blocks_per_chunk),
         )
-        check_spans(plan, spec.config)
+        check_spans(
+            plan,
+            [(group.group_idx, group.tokens_per_block) for group in groups],
+            self.config.blocks_per_chunk,
+        )
         self._triton_setup(plan)
 
     def _triton_setup(self, plan: OffloadPlan) -> None:
@@ -237,7 +242,11 @@ class TritonOffloadingConnector(OffloadingConnector):  # type: ignore[misc]
             vllm_config.parallel_config,
             int(offloading_config.cache.blocks_per_chunk),
         )
-        check_spans(self.triton_plan, offloading_config)
+        check_spans(
+            self.triton_plan,
+            [(group.group_id, group.tokens_per_block) for group in offloading_config.groups],
+            offloading_config.cache.blocks_per_chunk,
+        )
         token = PLANNED_LOOKUPS.set(True)
         try:
             super().__init__(vllm_config, role, kv_cache_config)

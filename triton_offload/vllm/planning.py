@@ -112,43 +112,44 @@ def plan_from_kv_cache_config(
     kv_cache_config: Any, group_ids: Sequence[int], parallel_config: Any, blocks_per_chunk: int
 ) -> OffloadPlan:
     """The plan of vLLM's offloaded groups, from their cache specs and the parallel sizes."""
+    # vLLM's scheduler reads only the DCP size of its parallel config; TP and PCP never
+    # scale a span, so a config without them (one rank each) plans the same.
+    dcp = int(parallel_config.decode_context_parallel_size)
     parallel = ParallelSpec(
-        tp_size=int(parallel_config.tensor_parallel_size),
-        dcp_size=int(parallel_config.decode_context_parallel_size),
-        pcp_size=int(parallel_config.prefill_context_parallel_size),
+        tp_size=int(getattr(parallel_config, "tensor_parallel_size", dcp)),
+        dcp_size=dcp,
+        pcp_size=int(getattr(parallel_config, "prefill_context_parallel_size", 1)),
     )
     specs = group_specs_from_kv_cache_config(kv_cache_config, group_ids)
     return plan_offload(specs, parallel, blocks_per_chunk=blocks_per_chunk)
 
 
-def check_spans(plan: OffloadPlan, offloading_config: Any) -> None:
+def check_spans(plan: OffloadPlan, spans: Sequence[tuple[int, int]], blocks_per_chunk: int) -> None:
     """Raise ``ValueError`` unless every group's planner span equals vLLM's.
 
+    ``spans``: vLLM's ``(group id, tokens_per_block)`` per offloaded group, in order.
     The message names each disagreeing group, its kind and both numbers, so a vLLM
     release that scales a Mamba span by DCP again (or forgets to scale attention)
     fails at start-up instead of storing keys that name the wrong tokens.
     """
-    vllm_groups = tuple(offloading_config.groups)
-    if len(vllm_groups) != len(plan.groups):
+    if len(spans) != len(plan.groups):
         raise ValueError(
-            f"{CONNECTOR_NAME}: vLLM's OffloadingConfig has {len(vllm_groups)} groups, the "
-            f"planner {len(plan.groups)}"
+            f"{CONNECTOR_NAME}: vLLM offloads {len(spans)} groups, the planner {len(plan.groups)}"
         )
-    if int(offloading_config.cache.blocks_per_chunk) != plan.blocks_per_chunk:
+    if int(blocks_per_chunk) != plan.blocks_per_chunk:
         raise ValueError(
-            f"{CONNECTOR_NAME}: vLLM's blocks_per_chunk "
-            f"{offloading_config.cache.blocks_per_chunk} != the planner's {plan.blocks_per_chunk}"
+            f"{CONNECTOR_NAME}: vLLM's blocks_per_chunk {blocks_per_chunk} != the "
+            f"planner's {plan.blocks_per_chunk}"
         )
     mismatches = []
     dcp = plan.parallel.dcp_size
-    for group, theirs in zip(plan.groups, vllm_groups, strict=True):
-        if group.tokens_per_block == int(theirs.tokens_per_block):
+    for group, (group_id, theirs) in zip(plan.groups, spans, strict=True):
+        if group.tokens_per_block == int(theirs):
             continue
         scaled = f"x DCP {dcp}" if group.spec.is_dcp_sharded else "not DCP-scaled"
         mismatches.append(
-            f"group {theirs.group_id} ({group.kind.value}, block {group.block_size}, "
-            f"{scaled}): planner {group.tokens_per_block} tokens per block, vLLM "
-            f"{theirs.tokens_per_block}"
+            f"group {group_id} ({group.kind.value}, block {group.block_size}, "
+            f"{scaled}): planner {group.tokens_per_block} tokens per block, vLLM {theirs}"
         )
     if mismatches:
         raise ValueError(
