@@ -606,3 +606,32 @@ def test_no_region_file_is_left_when_start_up_is_interrupted_at_the_barrier(
     with pytest.raises(interrupt):
         vllm_region.create_worker_region(plan, barrier=barrier)
     assert glob.glob(f"/dev/shm/vllm_offload_{engine_id}*") == []
+
+
+def test_a_joiner_whose_barrier_fails_removes_a_dead_creators_files() -> None:
+    """The rank that created the region died before the barrier (its files stay: vLLM
+    removes them only from the creating rank); another rank's barrier then fails (a
+    collective timeout). Start-up cannot succeed, so that rank removes the files."""
+    import glob
+
+    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+
+    engine_id = f"dead-creator-{uuid.uuid4()}"
+    creator = SharedOffloadRegion(
+        engine_id=engine_id, num_chunks=4, rank=0, kv_bytes_per_chunk=2 * PAGE,
+        cpu_page_size=PAGE,
+    )  # fmt: skip
+    plan = vllm_region.RegionPlan(
+        engine_id=engine_id, num_chunks=4, row_stride=2 * PAGE, cpu_page_size=PAGE,
+        rank=1, world_size=2, replicated=False,
+    )  # fmt: skip
+
+    def barrier() -> None:
+        raise RuntimeError("barrier timed out: rank 0 is gone")
+
+    try:
+        with pytest.raises(RuntimeError, match="rank 0 is gone"):
+            vllm_region.create_worker_region(plan, barrier=barrier)
+        assert glob.glob(f"/dev/shm/vllm_offload_{engine_id}*") == []
+    finally:
+        creator.cleanup()

@@ -197,13 +197,12 @@ def create_worker_region(
             num_segments=_vllm_segments(),
             populate_shard=(plan.rank, plan.world_size) if plan.replicated else None,
         )
-    except Exception:
-        raise  # vLLM's constructor cleaned up (unlinked what it created) already
     except BaseException:
-        # KeyboardInterrupt or SIGTERM's SystemExit, most likely at the workers'
-        # barrier: vLLM's clean-up catches Exception only, and the files would stay in
-        # /dev/shm. Start-up is failing on this rank, so the engine cannot start: its
-        # files go (ranks that mapped them keep their mappings).
+        # Start-up failed on this rank, so the engine cannot start: its region files go,
+        # whoever created them (ranks that mapped them keep their mappings). vLLM removes
+        # them only from the creating rank and only for an Exception, so a KeyboardInterrupt
+        # or SIGTERM's SystemExit at the barrier, or a creator that died before it (the
+        # others then fail at the barrier), would leave them in /dev/shm.
         _unlink_region_files(plan.engine_id)
         raise
 
