@@ -381,3 +381,29 @@ def test_last_present_crosses_long_absent_stretch() -> None:
     values[3] = True
     assert last_present(values, 0, 10_000) == 3
     assert last_present(tuple(values), 4, 10_000) == 3
+
+
+def test_local_chunk_boundary_inside_a_chunk_is_the_largest_hit() -> None:
+    """Chunked local attention of 8 tokens in 16-token chunks, full attention in 8-token
+    chunks, a 41-token prompt. Resumed at 40 (a local-chunk boundary) token 40 reads no
+    earlier token, so the chunked-local group needs no chunk, not even chunk 2 (tokens
+    32..47, never whole: the prompt ends at 41) that 40 lies inside. Clamping the hit to
+    that group's own grid gave 32 where 40 is valid."""
+    plan = plan_offload(
+        [GroupSpec("full_attention", 8), GroupSpec("chunked_local", 16, attention_chunk_size=8)]
+    )
+    assert plan.groups[1].needed_chunks(40) == (3, 3)  # nothing
+    for row in as_types(bits(2, [0, 1])):
+        assert plan.lookup(41, 0, [[True] * 5, row]) == 40
+    assert hit_end_problem(plan, 41, 0, [[True] * 5, bits(2, [0, 1])], 40) is None
+    # 36 is no local-chunk boundary: tokens 32..35 are read, chunk 2 is needed.
+    assert plan.groups[1].needed_chunks(36) == (2, 3)
+
+
+def test_one_token_window_needs_no_chunk() -> None:
+    """A sliding window of one token reads only the token itself: any hit end is valid
+    for that group, on its grid or not, with or without chunks stored."""
+    plan = plan_offload([GroupSpec("sliding_window", 3, sliding_window=1)])
+    assert plan.groups[0].needed_chunks(5) == (2, 2)
+    assert plan.lookup(2, 0, [bits(0, [])]) == 1
+    assert plan.lookup(8, 0, [bits(2, [])]) == 7
