@@ -7,7 +7,10 @@ Every ratio in the summary compares numbers of the same run and the same case.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import os
+import signal
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +21,10 @@ RESULTS_JSON = "results.json"
 REPORT_MD = "report.md"
 PLOT_PNG = "bandwidth.png"
 SWEEP_PNG = "sweep.png"
+#: What an interrupted run writes instead: new names, so a complete report written
+#: earlier into the same folder stays as it was.
+PARTIAL_JSON = "results.partial.json"
+PARTIAL_MD = "report.partial.md"
 
 
 @dataclass(frozen=True)
@@ -265,8 +272,17 @@ def markdown_report(results: Results, plots: Sequence[str] = ()) -> str:
     env = results.environment
     cfg = results.config
     out = [
-        "# triton-offload bench report",
+        "# triton-offload bench report" + (" (partial)" if results.partial else ""),
         "",
+        *(
+            [
+                f"**Partial run: {results.partial['message']}.** Only what finished before "
+                "the cut is below.",
+                "",
+            ]
+            if results.partial
+            else []
+        ),
         _environment_line(env) + ".",
         "",
         "GB/s = bytes of the job / time per job / 1e9. Each figure is the median of its "
@@ -755,7 +771,7 @@ def plot(results: Results, path: Path, sweep_path: Path | None = None) -> list[P
             if figure is not None:
                 plt.close(figure)
             continue
-        figure.savefig(target, dpi=120)
+        figure.savefig(target, dpi=120, format="png")
         plt.close(figure)
         written.append(target)
     return written
@@ -764,16 +780,42 @@ def plot(results: Results, path: Path, sweep_path: Path | None = None) -> list[P
 # ------------------------------------------------------------------------------- write
 
 
-def write_all(results: Results, out_dir: Path) -> dict[str, Path]:
-    """Write the plots, results.json and report.md into ``out_dir``; returns their paths
-    (keys ``plot``, ``sweep_plot`` when the run had a sweep, ``json``, ``markdown``)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written: dict[str, Path] = {}
+@contextmanager
+def _signals_held() -> Iterator[None]:
+    """SIGINT/SIGTERM wait while inside (delivered on exit): a set of files is renamed
+    into place all or none, never half the set when an interrupt lands between two."""
+    held = {signal.SIGINT, signal.SIGTERM}
     try:
-        for target in plot(results, out_dir / PLOT_PNG, out_dir / SWEEP_PNG):
-            written["plot" if target.name == PLOT_PNG else "sweep_plot"] = target
-    except ImportError:  # matplotlib comes with the [bench] extra; the numbers do not need it
-        results.notes.append("plot skipped: matplotlib is not installed (pip install '.[bench]')")
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    except (AttributeError, OSError, ValueError):  # no pthread_sigmask here
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def _staged(out_dir: Path, name: str) -> Path:
+    return out_dir / f".{name}.{os.getpid()}.tmp"
+
+
+def _commit(out_dir: Path, names: Sequence[str], remove: Sequence[str] = ()) -> None:
+    """Rename the staged files of ``names`` over their final names and delete ``remove``,
+    with interrupts held: an earlier report is replaced whole or not at all."""
+    with _signals_held():
+        for name in names:
+            os.replace(_staged(out_dir, name), out_dir / name)
+        for name in remove:
+            (out_dir / name).unlink(missing_ok=True)
+
+
+def _discard_staged(out_dir: Path, names: Sequence[str]) -> None:
+    for name in names:
+        _staged(out_dir, name).unlink(missing_ok=True)
+
+
+def _payload(results: Results) -> dict[str, Any]:
     payload = results.to_json()
     payload["summary"] = [
         {
@@ -791,15 +833,60 @@ def write_all(results: Results, out_dir: Path) -> dict[str, Path]:
         }
         for v in verdicts(results.measurements)
     ]
-    written["json"] = out_dir / RESULTS_JSON
-    written["json"].write_text(json.dumps(payload, indent=2) + "\n")
-    written["markdown"] = out_dir / REPORT_MD
-    plots = [written[k].name for k in ("plot", "sweep_plot") if k in written]
-    written["markdown"].write_text(markdown_report(results, plots))
-    return written
+    return payload
+
+
+def write_all(results: Results, out_dir: Path) -> dict[str, Path]:
+    """Write the plots, results.json and report.md into ``out_dir``; returns their paths
+    (keys ``plot``, ``sweep_plot`` when the run had a sweep, ``json``, ``markdown``).
+
+    Every file is written under a temporary name first and renamed into place at the
+    end, together: an interrupt while plotting leaves an earlier report untouched. A
+    partial report of an earlier, interrupted run in the folder is removed then (this
+    complete one supersedes it).
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    staged: list[str] = []
+    try:
+        try:
+            written = plot(results, _staged(out_dir, PLOT_PNG), _staged(out_dir, SWEEP_PNG))
+            staged += [PLOT_PNG if p == _staged(out_dir, PLOT_PNG) else SWEEP_PNG for p in written]
+        except ImportError:  # matplotlib comes with the [bench] extra; the numbers do not need it
+            results.notes.append(
+                "plot skipped: matplotlib is not installed (pip install '.[bench]')"
+            )
+        _staged(out_dir, RESULTS_JSON).write_text(json.dumps(_payload(results), indent=2) + "\n")
+        staged.append(RESULTS_JSON)
+        plots = [name for name in (PLOT_PNG, SWEEP_PNG) if name in staged]
+        _staged(out_dir, REPORT_MD).write_text(markdown_report(results, plots))
+        staged.append(REPORT_MD)
+        _commit(out_dir, staged, remove=(PARTIAL_JSON, PARTIAL_MD))
+    finally:
+        _discard_staged(out_dir, (PLOT_PNG, SWEEP_PNG, RESULTS_JSON, REPORT_MD))
+    keys = {PLOT_PNG: "plot", SWEEP_PNG: "sweep_plot", RESULTS_JSON: "json", REPORT_MD: "markdown"}
+    return {keys[name]: out_dir / name for name in staged}
+
+
+def write_partial(results: Results, out_dir: Path) -> list[Path]:
+    """Write an interrupted run's ``results.partial.json`` and ``report.partial.md``
+    (no plots: drawing them takes seconds, and the run was asked to stop).
+
+    ``results.partial`` says where the run was cut. The complete report's names are
+    never touched."""
+    assert results.partial is not None, "write_partial is for an interrupted run"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        _staged(out_dir, PARTIAL_JSON).write_text(json.dumps(_payload(results), indent=2) + "\n")
+        _staged(out_dir, PARTIAL_MD).write_text(markdown_report(results))
+        _commit(out_dir, (PARTIAL_JSON, PARTIAL_MD))
+    finally:
+        _discard_staged(out_dir, (PARTIAL_JSON, PARTIAL_MD))
+    return [out_dir / PARTIAL_JSON, out_dir / PARTIAL_MD]
 
 
 __all__ = [
+    "PARTIAL_JSON",
+    "PARTIAL_MD",
     "PLOT_PNG",
     "REPORT_MD",
     "RESULTS_JSON",
@@ -814,4 +901,5 @@ __all__ = [
     "terminal_report",
     "verdicts",
     "write_all",
+    "write_partial",
 ]
