@@ -208,25 +208,43 @@ def _check_dependent_flags(args: argparse.Namespace) -> None:
 
 
 def _check_sweep_sizes(
-    page_sizes: Sequence[int], pages: Sequence[int], max_bytes: int, where: str
+    page_sizes: Sequence[int],
+    pages: Sequence[int],
+    max_bytes: int,
+    where: str,
+    *,
+    given: tuple[bool, bool],
 ) -> None:
-    """Refuse page sizes or page counts every sweep point of which would be skipped."""
+    """Refuse a page size or a page count that only makes sweep points over
+    ``max_bytes`` (the harness would skip every one of them after the whole bench ran).
+
+    ``given``: whether the user gave (``--page-sizes``, ``--pages``); only given values
+    are judged (a default point over the limit is skipped with a note, as before)."""
     why = f"(memory: at most {format_bytes(max_bytes)} per sweep job {where})"
     smallest_pages, smallest_page = min(pages), min(page_sizes)
-    for size in page_sizes:
-        if size * smallest_pages > max_bytes:
-            raise UsageError(
-                f"--page-sizes {size}: a job of {smallest_pages:,} pages of "
-                f"{format_bytes(size)} is {format_bytes(size * smallest_pages)}; page size "
-                f"must be <= {format_bytes(max_bytes // smallest_pages)} {why}"
-            )
-    for count in pages:
-        if count * smallest_page > max_bytes:
-            raise UsageError(
-                f"--pages {count}: a job of {count:,} pages of {format_bytes(smallest_page)} "
-                f"is {format_bytes(count * smallest_page)}; pages per job must be <= "
-                f"{max_bytes // smallest_page:,} {why}"
-            )
+
+    def check_sizes() -> None:
+        for size in page_sizes:
+            if size * smallest_pages > max_bytes:
+                raise UsageError(
+                    f"--page-sizes {size}: a job of {smallest_pages:,} pages of "
+                    f"{format_bytes(size)} is {format_bytes(size * smallest_pages)}; page "
+                    f"size must be <= {format_bytes(max_bytes // smallest_pages)} {why}"
+                )
+
+    def check_pages() -> None:
+        for count in pages:
+            if count * smallest_page > max_bytes:
+                raise UsageError(
+                    f"--pages {count}: a job of {count:,} pages of "
+                    f"{format_bytes(smallest_page)} is {format_bytes(count * smallest_page)}; "
+                    f"pages per job must be <= {max_bytes // smallest_page:,} {why}"
+                )
+
+    if given[1]:
+        check_pages()
+    if given[0]:
+        check_sizes()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -332,7 +350,8 @@ def _configure(args: argparse.Namespace, tracker: PhaseTracker) -> Any:
     )
     pages = args.pages or ([16, 1024] if args.quick else list(cases.SWEEP_PAGES))
     if args.sweep:
-        _check_sweep_sizes(page_sizes, pages, sweep_max, where)
+        given = (args.page_sizes is not None, args.pages is not None)
+        _check_sweep_sizes(page_sizes, pages, sweep_max, where, given=given)
     return harness.Config(
         presets=args.presets,
         sweep=args.sweep,
