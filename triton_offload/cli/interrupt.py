@@ -166,15 +166,20 @@ class PhaseTracker:
         except (OSError, ValueError):  # stderr closed (a pipe reader went away)
             pass
 
+    def beat_if_quiet(self, now: float) -> bool:
+        """Print the heartbeat line if nothing was printed for :data:`HEARTBEAT_SECONDS`
+        before ``now`` (a ``time.monotonic()`` value); whether it printed."""
+        with self._lock:
+            if now - self._last_line < HEARTBEAT_SECONDS:
+                return False
+            self._last_line = now
+            where = self.where()
+        self._write(f"{self.command}: still in {where}")
+        return True
+
     def _beat(self) -> None:
         while not self._stop.wait(1.0):
-            with self._lock:
-                quiet = time.monotonic() - self._last_line
-                where = self.where()
-            if quiet >= HEARTBEAT_SECONDS:
-                with self._lock:
-                    self._last_line = time.monotonic()
-                self._write(f"{self.command}: still in {where}")
+            self.beat_if_quiet(time.monotonic())
 
     @contextmanager
     def heartbeat(self) -> Iterator[None]:
