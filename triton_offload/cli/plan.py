@@ -12,6 +12,7 @@ import argparse
 from typing import Any
 
 from triton_offload.cli.args import UsageError, check_fits_in_memory, format_bytes, int_between
+from triton_offload.cli.interrupt import PhaseTracker
 from triton_offload.planner.groups import MAMBA_CACHE_MODES, GroupKind, GroupSpec, ParallelSpec
 from triton_offload.planner.plan import OffloadPlan, plan_offload
 from triton_offload.planner.presets import PRESETS, preset_names
@@ -276,14 +277,18 @@ def run(args: argparse.Namespace) -> int:
     _check_sample_size(plan, prompt)
     if args.preset:
         print(f"preset {args.preset}: {PRESETS[args.preset].description}")
-    print(plan.describe(prompt_tokens=prompt))
-    present = []
-    for index, group in enumerate(plan.groups):
-        row = bytearray(group.storable_chunk_count(prompt))
-        for chunk in plan.store_reachable_chunks(index, len(row)):
-            row[chunk] = 1
-        present.append(row)
-    hit = plan.lookup(prompt, args.computed_tokens, present)
+    # The sample of the longest allowed prompt walks for ~12 s: a heartbeat line on
+    # stderr after every quiet 10 s (nothing for the usual sub-second table).
+    tracker = PhaseTracker("plan", labels={"start-up": "the plan table and sample lookup"})
+    with tracker.heartbeat():
+        print(plan.describe(prompt_tokens=prompt))
+        present = []
+        for index, group in enumerate(plan.groups):
+            row = bytearray(group.storable_chunk_count(prompt))
+            for chunk in plan.store_reachable_chunks(index, len(row)):
+                row[chunk] = 1
+            present.append(row)
+        hit = plan.lookup(prompt, args.computed_tokens, present)
     print(
         f"lookup: prompt {prompt} tokens, {args.computed_tokens} computed, every reachable "
         f"chunk stored -> load {hit} tokens"
