@@ -393,6 +393,7 @@ def run_case(
     *,
     deadline: float | None = None,
     on_phase: PhaseHook = _no_phase,
+    finished: list[Measurement] | None = None,
 ) -> list[Measurement]:
     """Verify then time every path of ``config`` on ``case``; the ceiling first.
 
@@ -415,6 +416,10 @@ def run_case(
     # The ceiling runs before and after the other paths and the faster of the two
     # counts: on a shared machine one measurement can land in a noisy moment.
     first = _run_path(CEILING, ws, config, base)
+    # Rows are also handed out as each path ends: a run interrupted inside this case
+    # keeps the paths it finished (without % of ceiling, set only once all are in).
+    finished = [] if finished is None else finished
+    finished.extend(first)
     if progress is not None:
         progress.step(f"{case.name} {CEILING}")
     results: list[Measurement] = []
@@ -435,7 +440,9 @@ def run_case(
             )
         else:
             on_phase(phase, f"{case.name}, {name}")
-            results.extend(_run_path(name, ws, config, base))
+            rows = _run_path(name, ws, config, base)
+            results.extend(rows)
+            finished.extend(rows)
         if progress is not None:
             progress.step(f"{case.name} {name}")
     second = first if cut else _run_path(CEILING, ws, config, base)
@@ -814,7 +821,17 @@ def _run(
     for case in timed:
         if _past(deadline):
             break
-        measurements.extend(run_case(case, config, progress, deadline=deadline, on_phase=on_phase))
+        in_case: list[Measurement] = []
+        try:
+            rows = run_case(
+                case, config, progress, deadline=deadline, on_phase=on_phase, finished=in_case
+            )
+        except BaseException:  # an interrupt: keep the paths of this case that finished
+            if in_case:
+                measurements.extend(in_case)
+                results.cases.append(case_summary(case))
+            raise
+        measurements.extend(rows)
         results.cases.append(case_summary(case))
         done += 1
     if done < len(timed) or any(m.note == CUT_NOTE for m in measurements):
