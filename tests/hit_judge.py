@@ -13,9 +13,12 @@ prefill resumed at the hit end reads), not from the planner's code:
   token in ``[max(computed, H - H mod c), H)``.
 - Mamba: ``H`` is a multiple of its ``tokens_per_chunk`` and chunk ``H / tpc - 1`` (the
   state after token ``H - 1``) is present.
-- Nothing else: a chunk no token of those ranges lies in is not needed, even the one
-  the hit ends inside (its tokens before the hit end are never read: a sliding window
-  of one token, or chunked local attention resumed on a local-chunk boundary).
+- A load moves whole chunks: a hit that ends inside a chunk of a windowed group loads
+  the block of the first recomputed token, so that chunk is present too, even where
+  attention reads none of its tokens (a one-token window, chunked local attention at a
+  local-chunk boundary). DESIGN's rule leaves this out; vLLM 0.33's load needs it: its
+  scheduler loads every allocated block up to ``cdiv(H, block_size)`` and asserts when
+  that chunk is not a whole one of the prompt (``tests/test_vllm_hit_rule.py``).
 - EAGLE groups: the chunk after the one holding token ``H - 1`` is present as well (it
   is queried and popped: the draft KV of the hit's last position is rewritten).
 - Only whole chunks (``i < num_tokens // tpc``) are ever present; chunks wholly below
@@ -74,6 +77,8 @@ def hit_is_valid(
             tokens = range(num_computed, hit_end)
         # The chunks holding those tokens (token t lies in chunk t // tpc).
         chunks = set(range(tokens.start // tpc, (tokens.stop - 1) // tpc + 1)) if tokens else set()
+        if spec.kind is not GroupKind.MAMBA and hit_end % tpc:
+            chunks.add(hit_end // tpc)  # the chunk the hit ends inside is loaded whole
         if spec.is_eagle:
             chunks.add(cdiv(hit_end, tpc))
         on_gpu = num_computed // tpc

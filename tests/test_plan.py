@@ -113,7 +113,7 @@ def test_needed_chunks_of_a_hit() -> None:
     plan = plan_offload([FULL16, GroupSpec("sliding_window", 4, sliding_window=8), MAMBA16_ALIGN])
     full, swa, mamba = plan.groups
     assert full.needed_chunks(32) == (0, 2)
-    assert full.needed_chunks(33) == (0, 3)  # token 32 lies in chunk 2: read
+    assert full.needed_chunks(33) == (0, 3)  # the chunk holding token 32 is taken whole
     # On the grid: the window's 2 chunks. Off it (33): token 33 reads tokens 26..32,
     # chunks 6..8, one chunk more than the window.
     assert swa.needed_chunks(32) == (6, 8)

@@ -324,17 +324,14 @@ def _group_hit_end(
     - Unbounded groups: servable ends form one interval above the computed tokens, up
       to the end of the present prefix, so the answer is ``min(max_hit, prefix end)``.
       It may lie inside one of this group's chunks: a load takes that chunk whole.
-    - Windowed groups (sliding window, chunked local, Mamba): among the ends inside one
-      chunk that read any token, a later end never needs an earlier chunk than a sooner
-      end (the first needed token only moves forward), so the best of them is
-      ``max_hit`` itself (when it is off this group's grid) or the chunk's last token.
-      The candidates are therefore ``max_hit`` and then the chunk boundaries below it,
-      walked downwards: a candidate failing at absent chunk ``q`` rules out every
-      boundary above ``q``, so the walk jumps there (and, for groups that always need
-      the chunk just before the end, past the absent stretch below it) with C-level
-      scans. Ends that read no token at all are candidates of their own
-      (:func:`_unread_end`): chunked local attention at a local-chunk boundary inside
-      a chunk needs no chunk, while that chunk's last token does.
+    - Windowed groups (sliding window, chunked local, Mamba): inside one chunk a later
+      end never needs an earlier chunk than a sooner end (the first needed token only
+      moves forward), so the best end in each chunk is ``max_hit`` itself (when it is
+      off this group's grid) or the chunk's last token. The candidates are therefore
+      ``max_hit`` and then the chunk boundaries below it, walked downwards: a candidate
+      failing at absent chunk ``q`` rules out every boundary above ``q``, so the walk
+      jumps there (and, for groups that always need the chunk just before the end,
+      past the absent stretch below it) with C-level scans.
     - Mamba: the state of chunk ``i`` is the one after its last token, so a hit must end
       exactly on this group's chunk boundary (vLLM before PR #44599 restored a
       state between two stored ones); ``max_hit`` off the grid is never a candidate.
@@ -342,30 +339,23 @@ def _group_hit_end(
     tpc = group.tokens_per_chunk
     full_chunks = num_tokens // tpc
     extra = int(group.is_eagle)
-    start = num_computed_tokens // tpc
-    window = group.sliding_window_size_in_chunks
-    spec = group.spec
-    kind = spec.kind
-    if window is None or kind is GroupKind.MAMBA:
-        # Every end reads a chunk that holds its last token (or, for Mamba, the state
-        # after it): ends past the last whole chunk are never servable.
-        max_hit = min(max_hit, full_chunks * tpc)
+    max_hit = min(max_hit, full_chunks * tpc)
     if max_hit <= num_computed_tokens:
         return -1
+    start = num_computed_tokens // tpc
+    window = group.sliding_window_size_in_chunks
     if window is None:
         top = -(-max_hit // tpc)  # chunk index just past the last chunk the hit touches
         end = first_absent(present, start, min(top + extra, full_chunks)) - extra
         hit = min(max_hit, end * tpc)
         return hit if hit > num_computed_tokens else -1
+    spec = group.spec
+    kind = spec.kind
     if max_hit % tpc and kind is not GroupKind.MAMBA:
         lo, top = group.needed_chunks(max_hit)
         stop = top + extra
-        begin = max(start, lo)
-        if begin >= stop or (stop <= full_chunks and first_absent(present, begin, stop) == stop):
+        if stop <= full_chunks and first_absent(present, max(start, lo), stop) == stop:
             return max_hit
-    unread = -1
-    if kind is GroupKind.CHUNKED_LOCAL:
-        unread = _unread_end(group, present, full_chunks, num_computed_tokens, max_hit)
     # Chunk-boundary candidates ``H = end * tpc``; an EAGLE group also needs chunk ``end``.
     end = min(max_hit // tpc, full_chunks - extra)
     # Groups whose every boundary end needs the chunk just before it (Mamba; a sliding
@@ -378,11 +368,11 @@ def _group_hit_end(
         reach_back = -1
     skip_absent = kind is GroupKind.MAMBA or reach_back > 0
     chunk = spec.attention_chunk_size or 0
-    while end * tpc > max(num_computed_tokens, unread):
+    while end * tpc > num_computed_tokens:
         if skip_absent:
             last = last_present(present, start, end)
             if last < start:
-                break
+                return -1
             end = last + 1
         hit = end * tpc
         if kind is GroupKind.MAMBA:
@@ -393,41 +383,9 @@ def _group_hit_end(
             lo = (hit - hit % chunk) // tpc
         stop = end + extra
         gap = first_absent(present, max(start, lo), stop)
-        if gap >= stop:  # gap > stop: lo == stop, the end reads no chunk
-            return max(hit, unread)
+        if gap == stop:
+            return hit
         end = gap - extra
-    return unread
-
-
-def _unread_end(
-    group: GroupPlan,
-    present: PresenceRow,
-    full_chunks: int,
-    num_computed_tokens: int,
-    max_hit: int,
-) -> int:
-    """The largest end ``<= max_hit`` on a local-chunk boundary of a chunked local group
-    that this group can serve, or -1.
-
-    Such an end reads no earlier token, so it needs no chunk; an EAGLE group still needs
-    the chunk after the hit (``ceil(H / tpc)``), and the walk moves down to the last
-    present one of those.
-    """
-    tpc = group.tokens_per_chunk
-    local = group.spec.attention_chunk_size
-    assert local is not None
-    start = num_computed_tokens // tpc
-    hit = max_hit - max_hit % local
-    while hit > num_computed_tokens:
-        if not group.is_eagle:
-            return hit
-        popped = -(-hit // tpc)
-        if popped < full_chunks and first_absent(present, popped, popped + 1) > popped:
-            return hit
-        last = last_present(present, start, min(popped, full_chunks))
-        if last < start:
-            return -1
-        hit = last * tpc - last * tpc % local
     return -1
 
 

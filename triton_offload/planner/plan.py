@@ -85,29 +85,29 @@ class GroupPlan:
     def needed_chunks(self, hit_end: int) -> tuple[int, int]:
         """Chunks ``[lo, top)`` of this group a prefill resumed at ``hit_end`` reads.
 
-        The chunks holding the tokens ``[first_needed_token(hit_end), hit_end)``, so
-        ``top = ceil(hit_end / tokens_per_chunk)`` when any token is read: a hit that
-        ends inside a chunk loads that chunk whole. Unbounded kinds read every chunk
-        from 0. A sliding window of ``W`` tokens needs ``ceil((W - 1) /
-        tokens_per_chunk)`` chunks before a hit on its grid (one more off it, when the
-        window starts early in a chunk), never more; chunked local attention reads back
-        to its local chunk's start; Mamba reads the one chunk whose state is the one
-        after token ``hit_end - 1``. A group that reads no earlier token (a one-token
-        window, chunked local attention resumed at a local-chunk boundary) needs no
-        chunk, ``(top, top)``, even when the hit ends inside one of its chunks: the
-        tokens of that chunk before the hit are never read, so refusing the hit for that
-        chunk cut valid hits to the group's own grid (32 where 40 was valid). The lookup
-        checks exactly these chunks (plus chunk ``top`` for an EAGLE group); a load
-        moves exactly these.
+        ``top = ceil(hit_end / tokens_per_chunk)``: a hit that ends inside a chunk takes
+        that chunk whole. Unbounded kinds read every chunk from 0. A windowed group
+        reads the chunks holding the tokens from :meth:`first_needed_token` on: a
+        sliding window of ``W`` tokens needs ``ceil((W - 1) / tokens_per_chunk)`` chunks
+        before a hit on its grid (one more off it, when the window starts early in a
+        chunk), never more, so a hit is not refused for a chunk no token of the window
+        lies in; chunked local attention reads back to its local chunk's start (nothing
+        at a local-chunk boundary on the grid); Mamba reads the one chunk whose state is
+        the one after token ``hit_end - 1``. The lookup checks exactly these chunks
+        (plus the chunk after them for an EAGLE group); a load moves exactly these.
         """
         tpc = self.tokens_per_chunk
         top = -(-hit_end // tpc)
         if self.sliding_window_size_in_chunks is None:
             return 0, top
-        first = self.first_needed_token(hit_end)
-        if first >= hit_end:
-            return top, top
-        return first // tpc, top
+        lo = self.first_needed_token(hit_end) // tpc
+        if hit_end % tpc:
+            # A hit inside a chunk loads the block of the first recomputed token, so
+            # that chunk is read even when the attention reaches no token before it:
+            # vLLM 0.33 loads every allocated block up to that one, and asserts when
+            # its chunk is not a whole one of the prompt (tests/test_vllm_hit_rule.py).
+            lo = min(lo, top - 1)
+        return max(0, min(lo, top)), top
 
     def storable_chunk_count(self, num_tokens: int, *, num_prompt_tokens: int | None = None) -> int:
         """Chunks of this group worth considering for a store after ``num_tokens`` tokens.
