@@ -24,7 +24,12 @@ from triton_offload.cli.args import (
     int_at_least,
     int_between,
 )
-from triton_offload.cli.interrupt import Interrupted, PhaseTracker, interrupts_raise
+from triton_offload.cli.interrupt import (
+    Interrupted,
+    PhaseTracker,
+    ignore_further,
+    interrupts_raise,
+)
 from triton_offload.planner.presets import PRESETS, preset_names
 
 DEFAULT_OUT = "bench-results"
@@ -284,6 +289,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _interrupted(stop: Interrupted, tracker: PhaseTracker, results: object, out: Path) -> int:
     """Write what an interrupted run has to the partial files; one line on stderr."""
+    ignore_further()  # also after a KeyboardInterrupt that bypassed our handler
     where = tracker.where()
     if results is None:
         print(

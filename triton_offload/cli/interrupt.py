@@ -34,6 +34,7 @@ __all__ = [
     "SIGNAL_AT_ENV",
     "Interrupted",
     "PhaseTracker",
+    "ignore_further",
     "interrupts_raise",
 ]
 
@@ -62,12 +63,18 @@ class Interrupted(BaseException):
         return 128 + self.signum
 
 
+def ignore_further() -> None:
+    """Ignore SIGINT/SIGTERM from now on: the command only writes what it has and
+    exits, and a second Ctrl-C must not cut the partial file in half (or print a
+    traceback). Main thread only; elsewhere a no-op."""
+    if threading.current_thread() is threading.main_thread():
+        for number in _SIGNALS:
+            signal.signal(number, signal.SIG_IGN)
+
+
 def _raise_interrupted(signum: int, frame: FrameType | None) -> None:
     del frame
-    # From here on the command only writes what it has and exits: a second Ctrl-C
-    # must not cut the partial file in half (or print a traceback).
-    for number in _SIGNALS:
-        signal.signal(number, signal.SIG_IGN)
+    ignore_further()
     raise Interrupted(signum)
 
 

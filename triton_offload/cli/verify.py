@@ -30,7 +30,12 @@ from triton_offload.cli.args import (
     format_bytes,
     int_at_least,
 )
-from triton_offload.cli.interrupt import Interrupted, PhaseTracker, interrupts_raise
+from triton_offload.cli.interrupt import (
+    Interrupted,
+    PhaseTracker,
+    ignore_further,
+    interrupts_raise,
+)
 from triton_offload.planner.presets import PRESETS, preset_names
 
 if TYPE_CHECKING:  # serving imports torch: loaded only when a run starts
@@ -340,6 +345,7 @@ def _interrupted(
 ) -> int:
     """An interrupted run: the finished rows, marked partial, to ``--out`` (a new file)
     or, without ``--out``, as a table on stdout; one line on stderr."""
+    ignore_further()  # also after a KeyboardInterrupt that bypassed our handler
     message = f"interrupted by {stop.name} during {tracker.where()}"
     done = (
         f"{len(results)} of {len(scenarios)} scenarios finished" if scenarios else "no scenario ran"
