@@ -309,7 +309,12 @@ def _interrupted(stop: Interrupted, tracker: PhaseTracker, results: object, out:
         "where": where,
         "message": message,
     }
-    results.notes.insert(0, f"cut: {message}; rows after that point were not measured")
+    left = (
+        "every row was measured; the complete report and plots were not written"
+        if tracker.phase == "report"
+        else "rows after that point were not measured"
+    )
+    results.notes.insert(0, f"cut: {message}; {left}")
     paths = report.write_partial(results, out)
     counted = f"{len(results.measurements)} timed rows, {len(results.correctness)} checks"
     print(
