@@ -140,9 +140,13 @@ class Results:
     wall_s: float = 0.0
     #: per case run: name, description, bytes and pages per job, page sizes, groups
     cases: list[dict[str, Any]] = field(default_factory=list)
+    #: None for a complete run; for a cut one: ``signal``, ``phase``, ``where`` (the
+    #: phase and its step when the signal landed) and ``message``
+    partial: dict[str, str] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
+            "partial": self.partial,
             "environment": self.environment,
             "config": self.config,
             "cases": self.cases,
@@ -364,6 +368,16 @@ def _paths_for(config: Config) -> list[str]:
     return [p for p in CPU_TIMED_PATHS if p in wanted and p != CEILING] + [CEILING]
 
 
+#: Called with (phase, step) at every step of a run: ``cases``/``sweep`` (case, path),
+#: ``host-cost`` (preset), ``interpreted`` (case, path). The command uses it to name
+#: where an interrupt landed and to print progress; the harness knows no signals.
+PhaseHook = Callable[[str, str], None]
+
+
+def _no_phase(phase: str, step: str) -> None:
+    del phase, step
+
+
 #: Note on the rows of paths that a run's wall-clock budget left out.
 CUT_NOTE = "cut: the run's wall-clock budget (--max-seconds) ran out before this path"
 
@@ -378,6 +392,8 @@ def run_case(
     progress: Progress | None = None,
     *,
     deadline: float | None = None,
+    on_phase: PhaseHook = _no_phase,
+    finished: list[Measurement] | None = None,
 ) -> list[Measurement]:
     """Verify then time every path of ``config`` on ``case``; the ceiling first.
 
@@ -395,9 +411,15 @@ def run_case(
         "sweep": case.sweep,
     }
     names = [n for n in _paths_for(config) if n != CEILING]
+    phase = "sweep" if case.sweep else "cases"
+    on_phase(phase, f"{case.name}, {CEILING}")
     # The ceiling runs before and after the other paths and the faster of the two
     # counts: on a shared machine one measurement can land in a noisy moment.
     first = _run_path(CEILING, ws, config, base)
+    # Rows are also handed out as each path ends: a run interrupted inside this case
+    # keeps the paths it finished (without % of ceiling, set only once all are in).
+    finished = [] if finished is None else finished
+    finished.extend(first)
     if progress is not None:
         progress.step(f"{case.name} {CEILING}")
     results: list[Measurement] = []
@@ -417,7 +439,10 @@ def run_case(
                 for d in config.directions
             )
         else:
-            results.extend(_run_path(name, ws, config, base))
+            on_phase(phase, f"{case.name}, {name}")
+            rows = _run_path(name, ws, config, base)
+            results.extend(rows)
+            finished.extend(rows)
         if progress is not None:
             progress.step(f"{case.name} {name}")
     second = first if cut else _run_path(CEILING, ws, config, base)
@@ -532,9 +557,18 @@ def correctness_case() -> Case:
     )
 
 
-def correctness_pass(config: Config, progress: Progress | None = None) -> list[Measurement]:
-    """Without CUDA: Triton paths under the interpreter, byte-exact check, no GB/s."""
-    results: list[Measurement] = []
+def correctness_pass(
+    config: Config,
+    progress: Progress | None = None,
+    *,
+    results: list[Measurement] | None = None,
+    on_phase: PhaseHook = _no_phase,
+) -> list[Measurement]:
+    """Without CUDA: Triton paths under the interpreter, byte-exact check, no GB/s.
+
+    Rows are appended to ``results`` (a new list by default) as each check ends, so an
+    interrupted pass leaves the finished ones there."""
+    results = [] if results is None else results
     tiny = [] if config.quick else _tiny_presets(config)
     for case in (correctness_case(), *tiny):
         ws = build_workspace(case, torch.device("cpu"), seed=3)
@@ -549,6 +583,7 @@ def correctness_pass(config: Config, progress: Progress | None = None) -> list[M
                 "page_bytes": case.typical_page_bytes,
                 "page_sizes": list(case.page_sizes),
             }
+            on_phase("interpreted", f"{case.name}, {name}")
             try:
                 runner = make_path(name, ws)
             except PathUnavailable as why:
@@ -703,25 +738,64 @@ def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
 # --------------------------------------------------------------------------------- run
 
 
-def run(config: Config, *, show_progress: bool = True) -> Results:
+def new_results(config: Config) -> Results:
+    """An empty :class:`Results` for ``config``: :func:`run` fills it as it goes, so a
+    run cut short still holds everything finished before the cut."""
+    return Results(
+        environment=environment(config.device),
+        config={
+            "presets": config.presets,
+            "sweep": config.sweep,
+            "directions": config.directions,
+            "repeats": config.repeats,
+            "warmup": config.warmup,
+            "paths": config.paths,
+            "quick": config.quick,
+            "target_bytes": config.target_bytes,
+            "max_seconds": config.max_seconds,
+        },
+        measurements=[],
+        host_costs=[],
+        correctness=[],
+        notes=[],
+    )
+
+
+def run(
+    config: Config,
+    *,
+    show_progress: bool = True,
+    results: Results | None = None,
+    on_phase: PhaseHook = _no_phase,
+) -> Results:
     """Every case on every path, then host costs and (without CUDA) the interpreter pass.
+
+    Fills ``results`` (default: :func:`new_results`) in place: an exception (an
+    interrupt) leaves every finished row in it, and ``wall_s`` up to date.
 
     Without CUDA torch runs single-threaded: the engine's CPU path and the baselines
     copy on one thread, so the ceiling does too (and intra-op threads fighting over
     two shared cores made every figure noise).
     """
+    results = new_results(config) if results is None else results
     threads = torch.get_num_threads()
     if config.device.type != "cuda":
         torch.set_num_threads(1)
+    started = time.perf_counter()
     try:
-        return _run(config, show_progress)
+        _run(config, show_progress, results, on_phase, started)
     finally:
         torch.set_num_threads(threads)
+        results.wall_s = time.perf_counter() - started
+    return results
 
 
-def _run(config: Config, show_progress: bool) -> Results:
-    started = time.perf_counter()
+def _run(
+    config: Config, show_progress: bool, results: Results, on_phase: PhaseHook, started: float
+) -> None:
     timed, notes = cases_for(config)
+    results.notes.extend(notes)
+    notes = results.notes
     interpreted = config.device.type != "cuda"
     if interpreted:
         checked = [p for p in config.paths if p in CPU_INTERPRETED_PATHS]
@@ -747,77 +821,58 @@ def _run(config: Config, show_progress: bool) -> Results:
         total += interpreted_steps(config)
     progress = Progress(total, enabled=show_progress)
     deadline = None if config.max_seconds is None else started + config.max_seconds
-    measurements: list[Measurement] = []
+    measurements = results.measurements
     done = 0
-    interrupted = False
-    try:
-        for case in timed:
-            if _past(deadline):
-                break
-            measurements.extend(run_case(case, config, progress, deadline=deadline))
-            done += 1
-    except KeyboardInterrupt:  # e.g. `timeout -s INT`: keep what was measured
-        interrupted = True
+    for case in timed:
+        if _past(deadline):
+            break
+        in_case: list[Measurement] = []
+        try:
+            rows = run_case(
+                case, config, progress, deadline=deadline, on_phase=on_phase, finished=in_case
+            )
+        except BaseException:  # an interrupt: keep the paths of this case that finished
+            if in_case:
+                measurements.extend(in_case)
+                results.cases.append(case_summary(case))
+            raise
+        measurements.extend(rows)
+        results.cases.append(case_summary(case))
+        done += 1
     if done < len(timed) or any(m.note == CUT_NOTE for m in measurements):
-        why = (
-            "the run was interrupted"
-            if interrupted
-            else f"the run's {config.max_seconds:g} s budget (--max-seconds) ran out"
-        )
         left = ", ".join(case.name for case in timed[done:]) or "none"
         notes.insert(
             0,
-            f"cut: {why} after {done} of {len(timed)} cases; not run: {left}"
+            f"cut: the run's {config.max_seconds:g} s budget (--max-seconds) ran out after "
+            f"{done} of {len(timed)} cases; not run: {left}"
             + (
                 "; paths marked 'skipped' (cut) in a run case were not started"
                 if any(m.note == CUT_NOTE for m in measurements)
                 else ""
             ),
         )
-    host_costs = []
-    correctness: list[Measurement] = []
-    if not interrupted:
-        for name in config.presets:
-            try:
-                host_costs.append(host_cost(cases.CASES[name], repeats=max(config.repeats, 5)))
-            except Exception as error:  # the project's engine failed: report it, keep the rest
-                note = f"host cost (the torch engine) raised {type(error).__name__}: {error}"
-                notes.append(f"FAILED: {name} {note}")
-                correctness.append(
-                    Measurement(
-                        case=name,
-                        path="torch",
-                        role="project",
-                        direction="host cost",
-                        status="FAILED",
-                        note=note,
-                    )
+    for name in config.presets:
+        on_phase("host-cost", name)
+        try:
+            results.host_costs.append(host_cost(cases.CASES[name], repeats=max(config.repeats, 5)))
+        except Exception as error:  # the project's engine failed: report it, keep the rest
+            note = f"host cost (the torch engine) raised {type(error).__name__}: {error}"
+            notes.append(f"FAILED: {name} {note}")
+            results.correctness.append(
+                Measurement(
+                    case=name,
+                    path="torch",
+                    role="project",
+                    direction="host cost",
+                    status="FAILED",
+                    note=note,
                 )
-            progress.step(f"{name} host cost")
-        if interpreted and not _past(deadline):
-            correctness += correctness_pass(config, progress)
-        elif interpreted:
-            notes.append("cut: the interpreted correctness pass did not run (budget ran out)")
-    return Results(
-        environment=environment(config.device),
-        config={
-            "presets": config.presets,
-            "sweep": config.sweep,
-            "directions": config.directions,
-            "repeats": config.repeats,
-            "warmup": config.warmup,
-            "paths": config.paths,
-            "quick": config.quick,
-            "target_bytes": config.target_bytes,
-            "max_seconds": config.max_seconds,
-        },
-        measurements=measurements,
-        host_costs=host_costs,
-        correctness=correctness,
-        notes=notes,
-        wall_s=time.perf_counter() - started,
-        cases=[case_summary(case) for case in timed[:done]],
-    )
+            )
+        progress.step(f"{name} host cost")
+    if interpreted and not _past(deadline):
+        correctness_pass(config, progress, results=results.correctness, on_phase=on_phase)
+    elif interpreted:
+        notes.append("cut: the interpreted correctness pass did not run (budget ran out)")
 
 
 def case_summary(case: Case) -> dict[str, Any]:
@@ -849,6 +904,7 @@ __all__ = [
     "Config",
     "HostCost",
     "Measurement",
+    "PhaseHook",
     "Progress",
     "Results",
     "cases_for",
@@ -859,6 +915,7 @@ __all__ = [
     "job_preparation",
     "measure",
     "measure_samples",
+    "new_results",
     "percent_of",
     "run",
     "run_case",

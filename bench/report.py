@@ -7,7 +7,10 @@ Every ratio in the summary compares numbers of the same run and the same case.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import os
+import signal
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +21,10 @@ RESULTS_JSON = "results.json"
 REPORT_MD = "report.md"
 PLOT_PNG = "bandwidth.png"
 SWEEP_PNG = "sweep.png"
+#: What an interrupted run writes instead: new names, so a complete report written
+#: earlier into the same folder stays as it was.
+PARTIAL_JSON = "results.partial.json"
+PARTIAL_MD = "report.partial.md"
 
 
 @dataclass(frozen=True)
@@ -265,8 +272,17 @@ def markdown_report(results: Results, plots: Sequence[str] = ()) -> str:
     env = results.environment
     cfg = results.config
     out = [
-        "# triton-offload bench report",
+        "# triton-offload bench report" + (" (partial)" if results.partial else ""),
         "",
+        *(
+            [
+                f"**Partial run: {results.partial['message']}.** Only what finished before "
+                "the cut is below.",
+                "",
+            ]
+            if results.partial
+            else []
+        ),
         _environment_line(env) + ".",
         "",
         "GB/s = bytes of the job / time per job / 1e9. Each figure is the median of its "
@@ -374,8 +390,10 @@ def markdown_report(results: Results, plots: Sequence[str] = ()) -> str:
 
 # -------------------------------------------------------------------------------- plot
 
-#: Colours of this project's paths (saturated, filled markers, solid lines) and of the
-#: baselines (muted, hollow markers, dashed lines); the ceiling is black.
+#: Colours of this project's paths (saturated, filled circles, solid lines) and of the
+#: baselines (muted, hollow squares, dashed lines). The ceiling is no point at all: a
+#: black dashed line over a grey band (its slowest to fastest job), so no marker, filled
+#: or not, can be mistaken for it.
 PROJECT_COLORS = {"triton": "#1f4fd1", "dma": "#d62728", "auto": "#2ca02c", "torch": "#7b2fbe"}
 BASELINE_COLORS = {
     "per-page-copy": "#8c564b",
@@ -384,16 +402,20 @@ BASELINE_COLORS = {
     "batched-dma": "#17becf",
     "vllm-swap-blocks": "#e377c2",
 }
-#: Marker shape of each preset in the preset plot, in the order the presets ran.
-PRESET_MARKERS = ("o", "s", "D", "^", "v", "P", "X", "h", "*", "<", ">")
-#: Paths of one preset are drawn this many octaves apart around its page size, so that
-#: equal figures do not hide each other (the horizontal bar shows the true page range).
-DODGE_OCTAVES = 0.07
+CEILING_LINE = {"color": "black", "linestyle": "--", "linewidth": 1.0}
+CEILING_BAND = {"color": "black", "alpha": 0.08, "linewidth": 0}
+#: The y range is the paths' own, up to their fastest job times this: the space above
+#: holds the ceiling's note, clear of every whisker. A ceiling above the range is not
+#: drawn to scale (on a CPU one memcpy ran 3-5x faster than any path, and scaling to it
+#: squashed the paths into the bottom eighth); its note says so and gives its value.
+HEADROOM = 1.3
+#: Marker size (points) of a path's figure; slots are laid out so that two never touch.
+MARKER_POINTS = 6.0
 
 
 def _style(name: str, role: str) -> dict[str, Any]:
     if role == "ceiling":
-        return {"color": "black", "marker": "_", "filled": True, "linestyle": ":"}
+        return {"color": "black", "marker": "", "filled": False, "linestyle": "--"}
     if role == "project":
         color = PROJECT_COLORS.get(name, "#1f4fd1")
         return {"color": color, "marker": "o", "filled": True, "linestyle": "-"}
@@ -403,29 +425,25 @@ def _style(name: str, role: str) -> dict[str, Any]:
 
 def _legend_label(name: str, role: str) -> str:
     if role == "ceiling":
-        return "ceiling: one contiguous copy of the job's bytes"
+        return (
+            "ceiling: one contiguous copy of the job's bytes\n(dashed: median, band: slowest "
+            "to fastest job;\n\u2191 in a panel: above that panel's scale)"
+        )
     return name
 
 
-def _legend_handles(
-    rows: Sequence[Measurement], shapes: dict[str, str] | None = None
-) -> tuple[list[Any], list[str]]:
-    """Legend entries grouped under 'this project' and 'baselines' headers (and, with
-    ``shapes``, one entry per preset showing its marker)."""
+def _legend_handles(rows: Sequence[Measurement]) -> tuple[list[Any], list[str]]:
+    """Legend entries grouped under 'this project', 'baselines' and 'reference'."""
     from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
 
     roles = {m.path: m.role for m in rows}
     handles: list[Any] = []
     labels: list[str] = []
-    # With preset shapes the marker says the preset, so a path's entry is its colour
-    # alone (solid: this project, dashed: a baseline); in the sweep plot it is the line.
-    filled, hollow = (
-        ("filled markers", "hollow markers") if shapes else ("filled, solid", "hollow, dashed")
-    )
     for role, header in (
-        ("project", f"this project ({filled}):"),
-        ("baseline", f"baselines, copy paths in use today ({hollow}):"),
-        ("ceiling", "reference:"),
+        ("project", "this project (filled markers, solid lines):"),
+        ("baseline", "baselines, copy paths in use today (hollow, dashed):"),
+        ("ceiling", "reference (no marker):"),
     ):
         names = [n for n in dict.fromkeys(m.path for m in rows) if roles[n] == role]
         if not names:
@@ -434,35 +452,22 @@ def _legend_handles(
         labels.append(header)
         for name in names:
             style = _style(name, role)
-            if shapes:
+            if role == "ceiling":
+                handles.append((Patch(**CEILING_BAND), Line2D([], [], **CEILING_LINE)))
+            else:
                 handles.append(
                     Line2D(
-                        [], [], color=style["color"], linestyle=style["linestyle"], linewidth=2.5
+                        [],
+                        [],
+                        color=style["color"],
+                        linestyle=style["linestyle"],
+                        marker=style["marker"],
+                        markersize=MARKER_POINTS,
+                        markerfacecolor=style["color"] if style["filled"] else "white",
+                        markeredgewidth=1.2,
                     )
                 )
-                labels.append(_legend_label(name, role))
-                continue
-            handles.append(
-                Line2D(
-                    [],
-                    [],
-                    color=style["color"],
-                    linestyle=style["linestyle"],
-                    marker=style["marker"],
-                    markersize=9 if role == "ceiling" else 6,
-                    markerfacecolor=style["color"] if style["filled"] else "white",
-                    markeredgewidth=2 if role == "ceiling" else 1.2,
-                )
-            )
             labels.append(_legend_label(name, role))
-    if shapes:
-        handles.append(Line2D([], [], linestyle="none", marker=None))
-        labels.append("presets (marker shape):")
-        for case, marker in shapes.items():
-            handles.append(
-                Line2D([], [], linestyle="none", marker=marker, color="#444444", markersize=6)
-            )
-            labels.append(case)
     return handles, labels
 
 
@@ -474,31 +479,6 @@ def _page_label(size: float) -> str:
             whole = abs(value - round(value)) < 0.05
             return f"{value:.0f} {unit}" if whole else f"{value:.1f} {unit}"
     return f"{size:.0f} B"
-
-
-def _set_page_ticks(
-    axis: Any, low: float, high: float, ticks: Sequence[float] | None = None
-) -> None:
-    """Log-2 page axis from ``low`` to ``high``; ticks at ``ticks``, or at powers of 4
-    (2 when the span is short): evenly spaced, whatever the data's page sizes are.
-    Labels that would touch are hidden later by :func:`_thin_tick_labels`."""
-    import math
-
-    axis.set_xscale("log", base=2)
-    axis.set_xlim(low, high)
-    if ticks is None:
-        first, last = math.ceil(math.log2(low)), math.floor(math.log2(high))
-        step = 2 if last - first >= 6 else 1
-        ticks = [2.0**e for e in range(first, last + 1) if e % step == 0]
-    axis.set_xticks(ticks)
-    axis.set_xticklabels([_page_label(t) for t in ticks], fontsize=8)
-    axis.xaxis.set_minor_locator(_null_locator())
-
-
-def _null_locator() -> Any:
-    from matplotlib.ticker import NullLocator
-
-    return NullLocator()
 
 
 def _thin_tick_labels(axis: Any, renderer: Any) -> None:
@@ -535,6 +515,17 @@ def _mean_pages(results: Results) -> dict[str, tuple[float, int, int]]:
     return out
 
 
+def _pages_text(pages: tuple[float, int, int] | None) -> str:
+    """``'8 KiB pages'``, or for a mixed job ``'48 KiB-2 MiB pages\nmean 1.5 MiB'`` (two
+    lines: one was wider than a narrow panel and ran into its neighbour's labels)."""
+    if pages is None:
+        return ""
+    mean, low, high = pages
+    if low == high:
+        return f"{_page_label(low)} pages"
+    return f"{_page_label(low)}-{_page_label(high)} pages\nmean {_page_label(mean)}"
+
+
 def _preset_rows(results: Results, direction: str) -> list[Measurement]:
     return [
         m
@@ -543,141 +534,145 @@ def _preset_rows(results: Results, direction: str) -> list[Measurement]:
     ]
 
 
-def preset_figure(results: Results) -> Any:
-    """GB/s of every path on every model preset, one panel per direction.
+def _path_order(rows: Sequence[Measurement]) -> list[str]:
+    """Paths that were timed, this project's first, then the baselines (no ceiling)."""
+    seen = list(dict.fromkeys(m.path for m in rows if m.role != "ceiling"))
+    roles = {m.path: m.role for m in rows}
+    return [p for p in seen if roles[p] == "project"] + [p for p in seen if roles[p] != "project"]
 
-    x: the job's byte-weighted mean page size (log scale), a horizontal bar from its
-    smallest to its largest page when the job mixes sizes; each preset is named once
-    at the top of the panel, over a dotted guide line. Paths of one preset sit side by
-    side around its page size (``DODGE_OCTAVES``).
+
+def _range(m: Measurement) -> tuple[float, float]:
+    """GB/s of the slowest and the fastest job (the median when not recorded)."""
+    value = m.gbps or 0.0
+    return (
+        m.gbps_min if m.gbps_min is not None else value,
+        m.gbps_max if m.gbps_max is not None else value,
+    )
+
+
+def _errorbar(axis: Any, xs: Sequence[float], rows: Sequence[Measurement], **style: Any) -> Any:
+    """Median markers with a whisker from the slowest to the fastest job."""
+    values = [m.gbps or 0.0 for m in rows]
+    lows = [max(0.0, v - low) for v, (low, _) in zip(values, map(_range, rows), strict=True)]
+    highs = [max(0.0, high - v) for v, (_, high) in zip(values, map(_range, rows), strict=True)]
+    return axis.errorbar(xs, values, yerr=[lows, highs], elinewidth=0.8, capsize=0, **style)
+
+
+def _ceiling_note(axis: Any, value: float, top: float, *, prefix: str = "ceiling") -> None:
+    """The ceiling's value in the panel's top-left corner, with an arrow when it is
+    above the panel's scale (``top``): its line is not drawn there."""
+    text = f"{prefix} {value:.1f} GB/s" + (" \u2191" if value > top else "")
+    axis.text(
+        0.03, 0.97, text, transform=axis.transAxes, ha="left", va="top", fontsize=7,
+        bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.85, "pad": 1.0},
+        zorder=4,
+    )  # fmt: skip
+
+
+def _legend_beside(fig: Any, handles: list[Any], labels: list[str], top: float) -> None:
+    """The legend right of the panels: the figure is widened by the legend's measured
+    width and the panels are laid out left of it (a guessed width let a long label run
+    over the last panel)."""
+    if not handles:
+        fig.tight_layout(rect=(0, 0, 1, top), h_pad=1.5)
+        return
+    legend = fig.legend(handles, labels, loc="center right", fontsize=8, frameon=False)
+    fig.canvas.draw()
+    legend_inches = legend.get_window_extent(fig.canvas.get_renderer()).width / fig.dpi + 0.2
+    width, height = fig.get_size_inches()
+    fig.set_size_inches(width + legend_inches, height)
+    fig.tight_layout(rect=(0, 0, width / (width + legend_inches), top), h_pad=1.5)
+    # tight_layout packs a row without x tick labels (shared axis) flush against the
+    # next: the top y tick label below touched the "0" above.
+    fig.subplots_adjust(hspace=max(fig.subplotpars.hspace, 0.3))
+
+
+def _preset_panel(axis: Any, rows: Sequence[Measurement], paths: Sequence[str]) -> None:
+    """One preset in one direction: a slot per path, y range from the paths."""
+    timed = [m for m in rows if m.role != "ceiling"]
+    ceiling = next((m for m in rows if m.role == "ceiling"), None)
+    reach = [m.gbps_max or m.gbps or 0.0 for m in timed]
+    if not reach and ceiling is not None:  # nothing but the ceiling: it is the scale
+        reach = [ceiling.gbps_max or ceiling.gbps or 0.0]
+    top = HEADROOM * max(reach, default=1.0) or 1.0
+    for m in timed:
+        style = _style(m.path, m.role)
+        drawn = _errorbar(
+            axis,
+            [paths.index(m.path)],
+            [m],
+            fmt=style["marker"],
+            color=style["color"],
+            markersize=MARKER_POINTS,
+            markerfacecolor=style["color"] if style["filled"] else "white",
+            markeredgewidth=1.3,
+            zorder=3 if m.role == "project" else 2,
+        )
+        drawn.lines[0].set_gid(f"{m.case}|{m.path}")
+    if ceiling is not None and ceiling.gbps is not None:
+        low, high = _range(ceiling)
+        axis.axhspan(low, high, zorder=0, **CEILING_BAND).set_gid(f"{ceiling.case}|ceiling-band")
+        axis.axhline(ceiling.gbps, zorder=1, **CEILING_LINE).set_gid(f"{ceiling.case}|ceiling")
+        _ceiling_note(axis, ceiling.gbps, top)
+    axis.set_ylim(0, top)
+    axis.set_xlim(-0.6, max(len(paths), 1) - 0.4)
+    axis.set_xticks(range(len(paths)))
+    axis.set_xticklabels(paths, rotation=90, fontsize=8)
+    axis.tick_params(axis="y", labelsize=8)
+    axis.grid(True, axis="y", alpha=0.3)
+
+
+def preset_figure(results: Results) -> Any:
+    """GB/s of every path on every model preset: one panel per (direction, preset).
+
+    Each panel has one slot per path (this project's first), so no two markers share a
+    place, and its own y range, set by the paths (the ceiling is a dashed line over a
+    band that never sets the scale). The preset's page sizes are in the panel title.
     """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.transforms import blended_transform_factory
 
     directions = list(results.config["directions"])
-    fig, axes = plt.subplots(
-        1, len(directions), figsize=(6.2 * len(directions) + 3.4, 5.6), squeeze=False
-    )
-    device = results.environment.get("gpu") or "CPU only (host memory copies)"
-    fig.suptitle(f"triton-offload bench: model presets, {device}", fontsize=11)
     pages = _mean_pages(results)
     all_rows = [m for d in directions for m in _preset_rows(results, d)]
-    order = list(dict.fromkeys(m.path for m in all_rows))
-    cases = list(dict.fromkeys(m.case for m in all_rows))
-
-    def place(m: Measurement) -> tuple[float, int, int]:
-        return pages.get(m.case, (float(m.page_bytes), m.page_bytes, m.page_bytes))
-
-    # The preset is also the marker's shape: points of presets with close page sizes
-    # (16 and 18 KiB) stand side by side, and the shape tells them apart.
-    shapes = {case: PRESET_MARKERS[i % len(PRESET_MARKERS)] for i, case in enumerate(cases)}
-    lows = [place(m)[1] for m in all_rows] or [4096]
-    highs = [place(m)[2] for m in all_rows] or [1 << 20]
-    top = max((m.gbps_max or m.gbps or 0.0 for m in all_rows), default=1.0)
-    for axis, direction in zip(axes[0], directions, strict=True):
+    paths = _path_order(all_rows)
+    cases = list(dict.fromkeys(m.case for m in all_rows)) or ["no path was timed"]
+    panel = max(2.0, 0.5 + 0.32 * len(paths))
+    width = panel * len(cases)
+    fig, axes = plt.subplots(
+        len(directions), len(cases), figsize=(width, 2.6 * len(directions) + 2.2),
+        squeeze=False, sharex=True,
+    )  # fmt: skip
+    device = results.environment.get("gpu") or "CPU only (host memory copies)"
+    fig.suptitle(f"triton-offload bench: model presets, {device}", fontsize=11)
+    for r, direction in enumerate(directions):
         rows = _preset_rows(results, direction)
-        band = blended_transform_factory(axis.transData, axis.transAxes)
-        for case in cases:
-            mean, low, high = pages.get(case, (0.0, 0, 0))
-            if mean:
-                axis.axvline(mean, color="#bbbbbb", linestyle=":", linewidth=0.8, zorder=0)
-            if high > low:  # a job of several page sizes: its range, once, along the bottom
-                axis.hlines(0.025, low, high, transform=band, color="#666666", linewidth=2.5)
-                axis.plot(
-                    [low, high], [0.025, 0.025], "|", transform=band, color="#666666",
-                    markersize=8,
-                )  # fmt: skip
-        for index, name in enumerate(order):
-            mine = [m for m in rows if m.path == name]
-            if not mine:
-                continue
-            style = _style(name, mine[0].role)
-            shift = 2.0 ** ((index - (len(order) - 1) / 2) * DODGE_OCTAVES)
-            for m in mine:
-                mean, low, high = place(m)
-                x = mean * shift
-                err_low = (m.gbps - m.gbps_min) if m.gbps_min is not None else 0.0
-                err_high = (m.gbps_max - m.gbps) if m.gbps_max is not None else 0.0
-                drawn = axis.errorbar(
-                    [x],
-                    [m.gbps],
-                    yerr=[[max(err_low, 0.0)], [max(err_high, 0.0)]],
-                    fmt=shapes[m.case],
-                    color=style["color"],
-                    markersize=7 if m.role == "ceiling" else 6,
-                    markerfacecolor=style["color"] if style["filled"] else "white",
-                    markeredgewidth=1.5 if style["filled"] else 1.3,
-                    elinewidth=0.8,
-                    capsize=0,
-                    zorder=3 if m.role == "project" else 2,
-                )
-                drawn.lines[0].set_gid(f"{m.case}|{m.path}")
-        _set_page_ticks(axis, min(lows) / 2, max(highs) * 2)
-        axis.set_title(
-            f"{direction} ({'device -> pool' if direction == 'store' else 'pool -> device'})",
-            fontsize=10,
-        )
-        axis.set_xlabel(
-            "page size (log scale): the job's byte-weighted mean; grey bar: its page range"
-        )
-        axis.set_ylabel("GB/s (1e9 bytes/s): median, whisker: slowest to fastest job")
-        axis.grid(True, which="major", alpha=0.3)
-    handles, labels = _legend_handles(all_rows, shapes)
-    if handles:
-        fig.legend(handles, labels, loc="center right", fontsize=8, frameon=False)
-    legend_share = 3.4 / (6.2 * len(directions) + 3.4)
-    fig.tight_layout(rect=(0, 0, 1 - legend_share, 0.95))
-    fig.canvas.draw()
-    renderer = fig.canvas.get_renderer()
-    levels = 1
-    for axis in axes[0]:
-        _thin_tick_labels(axis, renderer)
-        rows = _label_presets(axis, cases, pages, renderer, blended_transform_factory)
-        levels = max(levels, rows)
-    # Room above the highest whisker for the rows of preset names.
-    for axis in axes[0]:
-        axis.set_ylim(0, top * 1.05 / max(0.3, 1 - 0.065 * levels - 0.03))
+        for c, case in enumerate(cases):
+            axis = axes[r][c]
+            _preset_panel(axis, [m for m in rows if m.case == case], paths)
+            if r == 0:
+                axis.set_title(f"{case}\n{_pages_text(pages.get(case))}", fontsize=8)
+            if c == 0:
+                arrow = "device -> pool" if direction == "store" else "pool -> device"
+                axis.set_ylabel(f"{direction} ({arrow})\nGB/s, whisker: job range", fontsize=8)
+    _legend_beside(fig, *_legend_handles(all_rows), top=0.95)
     return fig
 
 
-def _label_presets(
-    axis: Any,
-    cases: Sequence[str],
-    pages: dict[str, tuple[float, int, int]],
-    renderer: Any,
-    blended: Any,
-) -> int:
-    """Name each preset once at the top of ``axis``, on the first row where its label
-    overlaps no other (and stays inside the panel); returns the rows used."""
-    transform = blended(axis.transData, axis.transAxes)
-    frame = axis.get_window_extent(renderer)
-    placed: list[list[Any]] = []
-    for case in sorted((c for c in cases if c in pages), key=lambda c: pages[c][0]):
-        x = pages[case][0]
-        for row in range(len(cases) + 1):
-            y = 0.98 - 0.065 * row
-            text = axis.text(x, y, case, transform=transform, ha="center", va="top", fontsize=8)
-            box = text.get_window_extent(renderer)
-            if box.x0 < frame.x0 + 2:
-                text.set_ha("left")
-            elif box.x1 > frame.x1 - 2:
-                text.set_ha("right")
-            box = text.get_window_extent(renderer)
-            if row == len(placed):
-                placed.append([])
-            if all(not box.overlaps(other) for other in placed[row]):
-                placed[row].append(box)
-                break
-            text.remove()
-    return len(placed)
+def _dodge(count: int) -> list[float]:
+    """Offsets inside one page-size slot (width 1) for ``count`` paths, side by side."""
+    step = min(0.8 / max(count, 1), 0.25)
+    return [(j - (count - 1) / 2) * step for j in range(count)]
 
 
 def sweep_figure(results: Results) -> Any | None:
-    """The raw sweep: GB/s vs page size, one panel per (direction, pages per job), one
-    line per path. None when the run had no sweep."""
+    """The raw sweep: GB/s vs page size, one panel per (direction, pages per job).
+
+    Page sizes are evenly spaced slots; inside a slot the paths stand side by side, so
+    no two markers touch. Each panel's y range is its paths' own; the ceiling is a
+    dashed line over its band. None when the run had no sweep."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -688,60 +683,83 @@ def sweep_figure(results: Results) -> Any | None:
         return None
     directions = [d for d in results.config["directions"] if any(m.direction == d for m in rows)]
     counts = sorted({m.job_pages for m in rows})
-    width = 3.3 * len(counts) + 3.4
+    order = _path_order(rows)
+    sizes = sorted({m.page_bytes for m in rows})
+    offsets = dict(zip(order, _dodge(len(order)), strict=True))
+    # Wide enough that neighbouring markers of one slot stay apart (11 px at 120 dpi).
+    panel = max(3.3, 0.7 + (len(sizes) + 0.4) * 11 * len(order) / 0.8 / 120)
+    width = panel * len(counts)
     fig, axes = plt.subplots(
         len(directions), len(counts), figsize=(width, 3.3 * len(directions) + 0.8),
-        squeeze=False, sharey=True,
+        squeeze=False,
     )  # fmt: skip
     device = results.environment.get("gpu") or "CPU only (host memory copies)"
     fig.suptitle(f"triton-offload bench: raw sweep (one plane), {device}", fontsize=11)
-    order = list(dict.fromkeys(m.path for m in rows))
-    sizes = sorted({m.page_bytes for m in rows})
-    top = max(m.gbps_max or m.gbps or 0.0 for m in rows)
     for r, direction in enumerate(directions):
         for c, count in enumerate(counts):
             axis = axes[r][c]
-            for name in order:
-                mine = sorted(
-                    (m for m in rows if m.path == name and m.direction == direction
-                     and m.job_pages == count),
-                    key=lambda m: m.page_bytes,
-                )  # fmt: skip
-                if not mine:
-                    continue
-                style = _style(name, mine[0].role)
-                axis.errorbar(
-                    [m.page_bytes for m in mine],
-                    [m.gbps for m in mine],
-                    yerr=[
-                        [max(0.0, (m.gbps or 0.0) - (m.gbps_min or m.gbps or 0.0)) for m in mine],
-                        [max(0.0, (m.gbps_max or m.gbps or 0.0) - (m.gbps or 0.0)) for m in mine],
-                    ],
-                    color=style["color"],
-                    linestyle=style["linestyle"],
-                    marker=style["marker"],
-                    markersize=10 if mine[0].role == "ceiling" else 5,
-                    markerfacecolor=style["color"] if style["filled"] else "white",
-                    linewidth=1.8 if mine[0].role == "project" else 1.2,
-                    elinewidth=0.7,
-                    capsize=0,
-                )
-            _set_page_ticks(axis, sizes[0] / 1.6, sizes[-1] * 1.6, ticks=sizes)
+            here = [m for m in rows if m.direction == direction and m.job_pages == count]
+            _sweep_panel(axis, here, order, sizes, offsets)
             axis.set_title(f"{direction}, {count:,} pages per job", fontsize=9)
-            axis.set_ylim(0, top * 1.1)
-            axis.grid(True, which="major", alpha=0.3)
             if r == len(directions) - 1:
-                axis.set_xlabel("page size (log scale)", fontsize=8)
+                axis.set_xlabel("page size (one slot per size)", fontsize=8)
             if c == 0:
                 axis.set_ylabel("GB/s: median, whisker: range", fontsize=8)
-    handles, labels = _legend_handles(rows)
-    fig.legend(handles, labels, loc="center right", fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0, 1 - 3.4 / width, 0.94))
+    _legend_beside(fig, *_legend_handles(rows), top=0.94)
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
     for axis in axes.flat:
         _thin_tick_labels(axis, renderer)
     return fig
+
+
+def _sweep_panel(
+    axis: Any,
+    rows: Sequence[Measurement],
+    order: Sequence[str],
+    sizes: Sequence[int],
+    offsets: dict[str, float],
+) -> None:
+    slot = {size: index for index, size in enumerate(sizes)}
+    timed = [m for m in rows if m.role != "ceiling"]
+    reach = [m.gbps_max or m.gbps or 0.0 for m in timed] or [
+        m.gbps_max or m.gbps or 0.0 for m in rows
+    ]
+    top = HEADROOM * max(reach, default=1.0) or 1.0
+    for name in order:
+        mine = sorted((m for m in timed if m.path == name), key=lambda m: m.page_bytes)
+        if not mine:
+            continue
+        style = _style(name, mine[0].role)
+        drawn = _errorbar(
+            axis,
+            [slot[m.page_bytes] + offsets[name] for m in mine],
+            mine,
+            color=style["color"],
+            linestyle=style["linestyle"],
+            marker=style["marker"],
+            markersize=MARKER_POINTS - 1,
+            markerfacecolor=style["color"] if style["filled"] else "white",
+            linewidth=1.8 if mine[0].role == "project" else 1.2,
+        )
+        drawn.lines[0].set_gid(f"sweep|{name}")
+    ceiling = sorted((m for m in rows if m.role == "ceiling"), key=lambda m: m.page_bytes)
+    if ceiling:
+        xs = [slot[m.page_bytes] for m in ceiling]
+        values = [m.gbps or 0.0 for m in ceiling]
+        lows = [_range(m)[0] for m in ceiling]
+        highs = [_range(m)[1] for m in ceiling]
+        if len(xs) == 1:  # a band needs a width: half a slot around the one point
+            xs, values, lows, highs = [xs[0] - 0.25, xs[0] + 0.25], values * 2, lows * 2, highs * 2
+        axis.fill_between(xs, lows, highs, zorder=0, **CEILING_BAND)
+        axis.plot(xs, values, zorder=1, **CEILING_LINE)[0].set_gid("sweep|ceiling")
+        _ceiling_note(axis, max(values), top, prefix="ceiling up to")
+    axis.set_ylim(0, top)
+    axis.set_xlim(-0.6, len(sizes) - 0.4)
+    axis.set_xticks(range(len(sizes)))
+    axis.set_xticklabels([_page_label(s) for s in sizes], fontsize=8)
+    axis.tick_params(axis="y", labelsize=8)
+    axis.grid(True, axis="y", alpha=0.3)
 
 
 def plot(results: Results, path: Path, sweep_path: Path | None = None) -> list[Path]:
@@ -755,7 +773,7 @@ def plot(results: Results, path: Path, sweep_path: Path | None = None) -> list[P
             if figure is not None:
                 plt.close(figure)
             continue
-        figure.savefig(target, dpi=120)
+        figure.savefig(target, dpi=120, format="png")
         plt.close(figure)
         written.append(target)
     return written
@@ -764,16 +782,42 @@ def plot(results: Results, path: Path, sweep_path: Path | None = None) -> list[P
 # ------------------------------------------------------------------------------- write
 
 
-def write_all(results: Results, out_dir: Path) -> dict[str, Path]:
-    """Write the plots, results.json and report.md into ``out_dir``; returns their paths
-    (keys ``plot``, ``sweep_plot`` when the run had a sweep, ``json``, ``markdown``)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written: dict[str, Path] = {}
+@contextmanager
+def _signals_held() -> Iterator[None]:
+    """SIGINT/SIGTERM wait while inside (delivered on exit): a set of files is renamed
+    into place all or none, never half the set when an interrupt lands between two."""
+    held = {signal.SIGINT, signal.SIGTERM}
     try:
-        for target in plot(results, out_dir / PLOT_PNG, out_dir / SWEEP_PNG):
-            written["plot" if target.name == PLOT_PNG else "sweep_plot"] = target
-    except ImportError:  # matplotlib comes with the [bench] extra; the numbers do not need it
-        results.notes.append("plot skipped: matplotlib is not installed (pip install '.[bench]')")
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    except (AttributeError, OSError, ValueError):  # no pthread_sigmask here
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def _staged(out_dir: Path, name: str) -> Path:
+    return out_dir / f".{name}.{os.getpid()}.tmp"
+
+
+def _commit(out_dir: Path, names: Sequence[str], remove: Sequence[str] = ()) -> None:
+    """Rename the staged files of ``names`` over their final names and delete ``remove``,
+    with interrupts held: an earlier report is replaced whole or not at all."""
+    with _signals_held():
+        for name in names:
+            os.replace(_staged(out_dir, name), out_dir / name)
+        for name in remove:
+            (out_dir / name).unlink(missing_ok=True)
+
+
+def _discard_staged(out_dir: Path, names: Sequence[str]) -> None:
+    for name in names:
+        _staged(out_dir, name).unlink(missing_ok=True)
+
+
+def _payload(results: Results) -> dict[str, Any]:
     payload = results.to_json()
     payload["summary"] = [
         {
@@ -791,15 +835,60 @@ def write_all(results: Results, out_dir: Path) -> dict[str, Path]:
         }
         for v in verdicts(results.measurements)
     ]
-    written["json"] = out_dir / RESULTS_JSON
-    written["json"].write_text(json.dumps(payload, indent=2) + "\n")
-    written["markdown"] = out_dir / REPORT_MD
-    plots = [written[k].name for k in ("plot", "sweep_plot") if k in written]
-    written["markdown"].write_text(markdown_report(results, plots))
-    return written
+    return payload
+
+
+def write_all(results: Results, out_dir: Path) -> dict[str, Path]:
+    """Write the plots, results.json and report.md into ``out_dir``; returns their paths
+    (keys ``plot``, ``sweep_plot`` when the run had a sweep, ``json``, ``markdown``).
+
+    Every file is written under a temporary name first and renamed into place at the
+    end, together: an interrupt while plotting leaves an earlier report untouched. A
+    partial report of an earlier, interrupted run in the folder is removed then (this
+    complete one supersedes it).
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    staged: list[str] = []
+    try:
+        try:
+            written = plot(results, _staged(out_dir, PLOT_PNG), _staged(out_dir, SWEEP_PNG))
+            staged += [PLOT_PNG if p == _staged(out_dir, PLOT_PNG) else SWEEP_PNG for p in written]
+        except ImportError:  # matplotlib comes with the [bench] extra; the numbers do not need it
+            results.notes.append(
+                "plot skipped: matplotlib is not installed (pip install '.[bench]')"
+            )
+        _staged(out_dir, RESULTS_JSON).write_text(json.dumps(_payload(results), indent=2) + "\n")
+        staged.append(RESULTS_JSON)
+        plots = [name for name in (PLOT_PNG, SWEEP_PNG) if name in staged]
+        _staged(out_dir, REPORT_MD).write_text(markdown_report(results, plots))
+        staged.append(REPORT_MD)
+        _commit(out_dir, staged, remove=(PARTIAL_JSON, PARTIAL_MD))
+    finally:
+        _discard_staged(out_dir, (PLOT_PNG, SWEEP_PNG, RESULTS_JSON, REPORT_MD))
+    keys = {PLOT_PNG: "plot", SWEEP_PNG: "sweep_plot", RESULTS_JSON: "json", REPORT_MD: "markdown"}
+    return {keys[name]: out_dir / name for name in staged}
+
+
+def write_partial(results: Results, out_dir: Path) -> list[Path]:
+    """Write an interrupted run's ``results.partial.json`` and ``report.partial.md``
+    (no plots: drawing them takes seconds, and the run was asked to stop).
+
+    ``results.partial`` says where the run was cut. The complete report's names are
+    never touched."""
+    assert results.partial is not None, "write_partial is for an interrupted run"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        _staged(out_dir, PARTIAL_JSON).write_text(json.dumps(_payload(results), indent=2) + "\n")
+        _staged(out_dir, PARTIAL_MD).write_text(markdown_report(results))
+        _commit(out_dir, (PARTIAL_JSON, PARTIAL_MD))
+    finally:
+        _discard_staged(out_dir, (PARTIAL_JSON, PARTIAL_MD))
+    return [out_dir / PARTIAL_JSON, out_dir / PARTIAL_MD]
 
 
 __all__ = [
+    "PARTIAL_JSON",
+    "PARTIAL_MD",
     "PLOT_PNG",
     "REPORT_MD",
     "RESULTS_JSON",
@@ -814,4 +903,5 @@ __all__ = [
     "terminal_report",
     "verdicts",
     "write_all",
+    "write_partial",
 ]

@@ -14,7 +14,11 @@ prefill resumed at the hit end reads), not from the planner's code:
 - Mamba: ``H`` is a multiple of its ``tokens_per_chunk`` and chunk ``H / tpc - 1`` (the
   state after token ``H - 1``) is present.
 - A load moves whole chunks: a hit that ends inside a chunk of a windowed group loads
-  the block of the first recomputed token, so that chunk is present too.
+  the block of the first recomputed token, so that chunk is present too, even where
+  attention reads none of its tokens (a one-token window, chunked local attention at a
+  local-chunk boundary). DESIGN's rule leaves this out; vLLM 0.33's load needs it: its
+  scheduler loads every allocated block up to ``cdiv(H, block_size)`` and asserts when
+  that chunk is not a whole one of the prompt (``tests/test_vllm_hit_rule.py``).
 - EAGLE groups: the chunk after the one holding token ``H - 1`` is present as well (it
   is queried and popped: the draft KV of the hit's last position is rewritten).
 - Only whole chunks (``i < num_tokens // tpc``) are ever present; chunks wholly below

@@ -100,8 +100,12 @@ def test_interrupt_keeps_the_finished_cases(
 
     monkeypatch.setattr(harness, "run_case", run_case)
     out = tmp_path / "bench"
-    assert main([*QUICK, "--out", str(out)]) == 0
-    payload = _payload(out)
+    # A KeyboardInterrupt (Ctrl-C) is a cut run: exit 130, the partial report beside
+    # (never over) a complete one.
+    assert main([*QUICK, "--out", str(out)]) == 130
+    assert not (out / "results.json").exists()
+    payload = json.loads((out / "results.partial.json").read_text())
     assert {m["case"] for m in payload["measurements"]} == {"llama3.1-8b-tp4"}
-    assert payload["notes"][0].startswith("cut: the run was interrupted after 1 of 2 cases")
+    assert payload["notes"][0].startswith("cut: interrupted by SIGINT during the timed cases")
+    assert payload["partial"]["phase"] == "cases"
     assert payload["host_costs"] == [] and payload["correctness"] == []

@@ -381,3 +381,27 @@ def test_last_present_crosses_long_absent_stretch() -> None:
     values[3] = True
     assert last_present(values, 0, 10_000) == 3
     assert last_present(tuple(values), 4, 10_000) == 3
+
+
+def test_a_hit_inside_a_chunk_needs_that_chunk_even_when_no_token_of_it_is_read() -> None:
+    """The exact rule behind "the largest valid hit": a hit that ends inside a chunk of
+    any group needs that chunk stored, even where attention reads none of its tokens
+    (chunked local attention at a local-chunk boundary, a one-token window). vLLM 0.33
+    loads the block holding the first recomputed token for every group whose block there
+    is allocated, so it loads that chunk (tests/test_vllm_hit_rule.py shows its scheduler
+    asserting otherwise). Chunked local of 8 in 16-token chunks beside full attention in
+    8-token chunks, 41 tokens: 40 is a local-chunk boundary but lies inside chunk 2
+    (tokens 32..47), never whole in this prompt, so the hit is 32."""
+    plan = plan_offload(
+        [GroupSpec("full_attention", 8), GroupSpec("chunked_local", 16, attention_chunk_size=8)]
+    )
+    assert plan.groups[1].needed_chunks(40) == (2, 3)
+    for row in as_types(bits(2, [0, 1])):
+        assert plan.lookup(41, 0, [[True] * 5, row]) == 32
+    problem = hit_end_problem(plan, 41, 0, [[True] * 5, bits(2, [0, 1])], 40)
+    assert problem is not None and "a chunk it reads in [2, 3) is absent" in problem
+    # With chunk 2 stored (a longer prompt, a load budget ending at 40) 40 is the hit.
+    assert plan.lookup(49, 0, [[True] * 6, bits(3, [2])], max_hit_end=40) == 40
+    # A one-token window in 3-token chunks, 8 tokens: 7 lies inside chunk 2 (not whole).
+    window = plan_offload([GroupSpec("sliding_window", 3, sliding_window=1)])
+    assert window.lookup(8, 0, [bits(2, [])]) == 6

@@ -176,9 +176,9 @@ def test_preset_states_its_tp(capsys: pytest.CaptureFixture[str]) -> None:
             "--computed-tokens 11 exceeds --prompt-tokens 10",
         ),
         (
-            ["--preset", "llama3.1-8b-tp1", "--prompt-tokens", "100000000000"],
-            "--prompt-tokens 100000000000: the sample lookup (6,250,000,000 chunks x 64 B) "
-            "would need 372.5 GiB",
+            ["--preset", "llama3.1-8b-tp1", "--prompt-tokens", "2000000000"],
+            "--prompt-tokens 2000000000: the sample lookup (125,000,000 chunks x 64 B) "
+            "would need 7.5 GiB",
         ),
         (
             ["--group", "mamba:16:mode=align", "--group", "mamba:32:mode=all:name=m2"],

@@ -68,16 +68,47 @@ def _requested_command(argv: Sequence[str]) -> str | None:
     return None
 
 
+#: Dependencies a command may find missing: how to install each. Triton is a
+#: dependency of the package, but `pip install --no-deps -e .` beside an existing vLLM
+#: (as the README says) installs none, and a CPU-only torch brings no triton.
+_INSTALL_HINTS = {
+    "triton": "pip install 'triton>=3.4' (beside vLLM: the triton release its torch pins)",
+    "torch": "pip install torch==2.13.0 (or the torch your vLLM pins)",
+}
+
+
+def _missing_dependency(error: ModuleNotFoundError) -> str | None:
+    """The top-level package of a missing dependency we can give a hint for, or None."""
+    top = (error.name or "").split(".")[0]
+    return top if top in _INSTALL_HINTS else None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = _requested_command(argv)
-    parser = build_parser(commands=[] if command is None else [command])
-    args = parser.parse_args(argv)
     try:
+        parser = build_parser(commands=[] if command is None else [command])
+        args = parser.parse_args(argv)
         return int(args.handler(args))
     except UsageError as error:
-        print(f"triton-offload {args.command}: error: {error}", file=sys.stderr)
+        print(f"triton-offload {command}: error: {error}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as error:
+        missing = _missing_dependency(error)
+        if missing is None:
+            raise
+        print(
+            f"triton-offload {command}: error: {command} needs {missing}, which does not "
+            f"import here ({error}); install it: {_INSTALL_HINTS[missing]}",
+            file=sys.stderr,
+        )
+        return 1
+    except KeyboardInterrupt:
+        # A Ctrl-C outside bench's and verify's own handling (parsing, plan, info):
+        # nothing was written, and a traceback would only bury that line.
+        prog = f"triton-offload {command}" if command else "triton-offload"
+        print(f"{prog}: interrupted by SIGINT", file=sys.stderr)
+        return 130
     except BrokenPipeError:
         # Output piped into `head` and closed early: not an error of the command.
         sys.stderr.close()

@@ -24,8 +24,10 @@ __all__ = [
     "available_memory_bytes",
     "check_fits_in_memory",
     "check_output_dir",
+    "folder",
     "format_bytes",
     "int_at_least",
+    "int_between",
 ]
 
 
@@ -59,6 +61,34 @@ def int_at_least(minimum: int, what: str) -> Callable[[str], int]:
     # argparse names the type in its generic messages.
     parse.__name__ = what
     return parse
+
+
+def int_between(minimum: int, maximum: int, what: str, why: str) -> Callable[[str], int]:
+    """An argparse ``type`` accepting integers in ``[minimum, maximum]``.
+
+    ``why`` says where the upper bound comes from (time or memory) and ends the
+    message: ``argument --repeats: repeats 1000000000 must be <= 1,000 (time: ...)``.
+    """
+    at_least = int_at_least(minimum, what)
+
+    def parse(text: str) -> int:
+        value = at_least(text)
+        if value > maximum:
+            raise argparse.ArgumentTypeError(f"{what} {value} must be <= {maximum:,} ({why})")
+        return value
+
+    parse.__name__ = what
+    return parse
+
+
+def folder(text: str) -> Path:
+    """An argparse ``type`` for an output folder: an empty name is refused (``Path('')``
+    is the current folder, so ``--out ''`` wrote the results there)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            f"empty folder name {text!r}: give a folder, e.g. --out results"
+        )
+    return Path(text)
 
 
 def format_bytes(size: int) -> str:

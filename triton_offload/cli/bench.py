@@ -10,14 +10,45 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
-from triton_offload.cli.args import check_output_dir, int_at_least
+from triton_offload.cli.args import (
+    UsageError,
+    check_output_dir,
+    folder,
+    format_bytes,
+    int_at_least,
+    int_between,
+)
+from triton_offload.cli.interrupt import (
+    Interrupted,
+    PhaseTracker,
+    ignore_further,
+    interrupts_raise,
+)
 from triton_offload.planner.presets import PRESETS, preset_names
 
 DEFAULT_OUT = "bench-results"
+
+# Upper bounds of the numeric flags. Time: a default CPU run (9 repeats, 1 warm-up job)
+# took about 40 s on the 2-core machine this is developed on, most of it timed jobs, so
+# each repeat of every path on every case costs a few seconds; 1,000 repeats is hours,
+# and a larger count is a typo, not a measurement plan.
+MAX_REPEATS = 1000
+MAX_WARMUP = 100
+#: Time: a budget over one day bounds nothing a person waits for.
+MAX_BUDGET_SECONDS = 86_400
+#: Largest job of one sweep point (memory): without CUDA the caches and the pool hold
+#: the job twice in host memory next to other users' jobs; on CUDA 4 KiB x 100k pages
+#: (391 MiB) must fit. Points over it are skipped, so a flag asking only for such points
+#: is refused before the run instead of running the whole bench for nothing.
+SWEEP_MAX_BYTES_CUDA = 400 << 20
+SWEEP_MAX_BYTES_CPU = 64 << 20
+SWEEP_MAX_BYTES_QUICK = 8 << 20
 #: What a run writes into ``--out`` (the report module's names; listed here so that
 #: checking the folder before the run imports no torch).
 OUTPUT_FILES = ("results.json", "report.md", "bandwidth.png", "sweep.png")
@@ -82,7 +113,7 @@ def _empty(text: str) -> list[int]:
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--out",
-        type=Path,
+        type=folder,
         default=Path(DEFAULT_OUT),
         help="output folder for results.json, report.md and the plots bandwidth.png (and "
         f"sweep.png with --sweep); created if missing (default: {DEFAULT_OUT})",
@@ -125,13 +156,20 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--repeats",
-        type=int_at_least(1, "repeats"),
+        type=int_between(
+            1,
+            MAX_REPEATS,
+            "repeats",
+            "time: each repeat is one more timed job of every path on every case",
+        ),
         default=None,
         help="timed jobs per figure, median reported (default 7 on CUDA, 9 on CPU, 3 quick)",
     )
     parser.add_argument(
         "--warmup",
-        type=int_at_least(0, "warm-up count"),
+        type=int_between(
+            0, MAX_WARMUP, "warm-up count", "time: untimed jobs of every path on every case"
+        ),
         default=None,
         help="untimed jobs first (default 1-2)",
     )
@@ -139,17 +177,17 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "--page-sizes",
         type=_sizes,
         default=None,
-        help="sweep page sizes, e.g. 4k,64k,2m (default 4KiB..2MiB)",
+        help="sweep page sizes, e.g. 4k,64k,2m (default 4KiB..2MiB); needs --sweep",
     )
     parser.add_argument(
         "--pages",
         type=_counts,
         default=None,
-        help="sweep pages per job, e.g. 16,1024,100000 (default 16..100000)",
+        help="sweep pages per job, e.g. 16,1024,100000 (default 16..100000); needs --sweep",
     )
     parser.add_argument(
         "--max-seconds",
-        type=int_at_least(1, "max seconds"),
+        type=int_between(1, MAX_BUDGET_SECONDS, "max seconds", "time: one day"),
         default=None,
         help=(
             "wall-clock budget: start no case or path after this many seconds, then write "
@@ -159,9 +197,145 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
+#: What the interrupt message and the progress lines call each phase.
+PHASES = {
+    "start-up": "start-up (importing torch and triton)",
+    "cases": "the timed cases",
+    "sweep": "the raw sweep",
+    "host-cost": "the host-cost comparison",
+    "interpreted": "the interpreted Triton correctness pass",
+    "report": "writing the report and plots",
+}
+
+
+def _check_dependent_flags(args: argparse.Namespace) -> None:
+    """Flags that do nothing without ``--sweep`` (or ``--sweep-only``) are refused, not
+    silently ignored."""
+    if args.sweep or args.sweep_only:
+        return
+    for flag, value in (("--page-sizes", args.page_sizes), ("--pages", args.pages)):
+        if value is not None:
+            shown = ",".join(str(v) for v in value)
+            raise UsageError(f"{flag} {shown}: only the raw sweep uses it; add --sweep")
+
+
+def _check_sweep_sizes(
+    page_sizes: Sequence[int],
+    pages: Sequence[int],
+    max_bytes: int,
+    where: str,
+    *,
+    given: tuple[bool, bool],
+) -> None:
+    """Refuse a page size or a page count that only makes sweep points over
+    ``max_bytes`` (the harness would skip every one of them after the whole bench ran).
+
+    ``given``: whether the user gave (``--page-sizes``, ``--pages``); only given values
+    are judged (a default point over the limit is skipped with a note, as before)."""
+    why = f"(memory: at most {format_bytes(max_bytes)} per sweep job {where})"
+    smallest_pages, smallest_page = min(pages), min(page_sizes)
+
+    def check_sizes() -> None:
+        for size in page_sizes:
+            if size * smallest_pages > max_bytes:
+                raise UsageError(
+                    f"--page-sizes {size}: a job of {smallest_pages:,} pages of "
+                    f"{format_bytes(size)} is {format_bytes(size * smallest_pages)}; page "
+                    f"size must be <= {format_bytes(max_bytes // smallest_pages)} {why}"
+                )
+
+    def check_pages() -> None:
+        for count in pages:
+            if count * smallest_page > max_bytes:
+                raise UsageError(
+                    f"--pages {count}: a job of {count:,} pages of "
+                    f"{format_bytes(smallest_page)} is {format_bytes(count * smallest_page)}; "
+                    f"pages per job must be <= {max_bytes // smallest_page:,} {why}"
+                )
+
+    if given[1]:
+        check_pages()
+    if given[0]:
+        check_sizes()
+
+
 def run(args: argparse.Namespace) -> int:
     # Before anything is measured: a run that cannot write its results wasted minutes.
+    _check_dependent_flags(args)
     check_output_dir("--out", args.out, OUTPUT_FILES)
+    tracker = PhaseTracker("bench", progress=not args.no_progress, labels=PHASES)
+    results = None
+    with interrupts_raise(), tracker.heartbeat():
+        try:
+            config = _configure(args, tracker)
+            from triton_offload.bench import harness
+
+            results = harness.new_results(config)
+            harness.run(
+                config, show_progress=not args.no_progress, results=results, on_phase=tracker.enter
+            )
+            tracker.enter("report")
+            from triton_offload.bench import report
+
+            text = report.terminal_report(results)
+            written = report.write_all(results, args.out)
+        except (Interrupted, KeyboardInterrupt) as stop:
+            # A KeyboardInterrupt raised by other code (Python's own SIGINT handler
+            # before ours was installed) is the same Ctrl-C.
+            signum = stop.signum if isinstance(stop, Interrupted) else int(signal.SIGINT)
+            return _interrupted(Interrupted(signum), tracker, results, args.out)
+    print(text)
+    print("\nwrote " + ", ".join(str(p) for p in written.values()))
+    failed = [m for m in (*results.measurements, *results.correctness) if m.status == "FAILED"]
+    for m in failed:
+        print(f"FAILED: {m.path} on {m.case} {m.direction}: {m.note}", file=sys.stderr)
+    # A project path that is not byte-exact fails the run; a failing baseline is
+    # reported but does not (its optional API may differ on this machine).
+    return 1 if any(m.role == "project" for m in failed) else 0
+
+
+def _interrupted(stop: Interrupted, tracker: PhaseTracker, results: object, out: Path) -> int:
+    """Write what an interrupted run has to the partial files; one line on stderr."""
+    ignore_further()  # also after a KeyboardInterrupt that bypassed our handler
+    where = tracker.where()
+    if results is None:
+        print(
+            f"triton-offload bench: interrupted by {stop.name} during {where}: nothing was "
+            "measured, nothing written",
+            file=sys.stderr,
+        )
+        return stop.exit_status
+    from triton_offload.bench import report
+    from triton_offload.bench.harness import Results
+
+    assert isinstance(results, Results)
+    message = f"interrupted by {stop.name} during {where}"
+    results.partial = {
+        "signal": stop.name,
+        "phase": tracker.phase,
+        "where": where,
+        "message": message,
+    }
+    left = (
+        "every row was measured; the complete report and plots were not written"
+        if tracker.phase == "report"
+        else "rows after that point were not measured"
+    )
+    results.notes.insert(0, f"cut: {message}; {left}")
+    paths = report.write_partial(results, out)
+    counted = f"{len(results.measurements)} timed rows, {len(results.correctness)} checks"
+    print(
+        f"triton-offload bench: {message}; partial results ({counted}) in "
+        + " and ".join(str(p) for p in paths),
+        file=sys.stderr,
+    )
+    return stop.exit_status
+
+
+def _configure(args: argparse.Namespace, tracker: PhaseTracker) -> Any:
+    """The harness ``Config`` of a run: imports torch (start-up), picks the defaults of
+    this machine and refuses sweep sizes it cannot run, before anything is measured."""
+    tracker.enter("start-up")
     import torch
 
     cuda = torch.cuda.is_available()
@@ -170,28 +344,36 @@ def run(args: argparse.Namespace) -> int:
         # imported lazily by the engine and the flat baseline).
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
-    from triton_offload.bench import cases, harness, report
+    from triton_offload.bench import cases, harness
 
     device = torch.device("cuda") if cuda else torch.device("cpu")
     if cuda:
         target = cases.QUICK_TARGET_BYTES * 8 if args.quick else None
         repeats = 3 if args.quick else 7
         warmup = 1 if args.quick else 2
-        sweep_max = 400 * cases.MiB  # keeps 4 KiB x 100k pages (391 MiB) in the sweep
+        sweep_max, where = SWEEP_MAX_BYTES_CUDA, "on CUDA"
     else:
         target = cases.QUICK_TARGET_BYTES if args.quick else cases.CPU_TARGET_BYTES
         repeats = 3 if args.quick else 9
         warmup = 1
-        sweep_max = (8 if args.quick else 64) * cases.MiB
+        sweep_max, where = (
+            (SWEEP_MAX_BYTES_QUICK, "of a --quick run without CUDA")
+            if args.quick
+            else (SWEEP_MAX_BYTES_CPU, "without CUDA")
+        )
     page_sizes = args.page_sizes or (
         [4 * cases.KiB, 64 * cases.KiB, 2 * cases.MiB]
         if args.quick
         else list(cases.SWEEP_PAGE_BYTES)
     )
     pages = args.pages or ([16, 1024] if args.quick else list(cases.SWEEP_PAGES))
-    config = harness.Config(
+    sweeping = args.sweep or args.sweep_only
+    if sweeping:
+        given = (args.page_sizes is not None, args.pages is not None)
+        _check_sweep_sizes(page_sizes, pages, sweep_max, where, given=given)
+    return harness.Config(
         presets=[] if args.sweep_only else args.presets,
-        sweep=args.sweep or args.sweep_only,
+        sweep=sweeping,
         directions=args.directions,
         repeats=args.repeats or repeats,
         warmup=warmup if args.warmup is None else args.warmup,
@@ -204,16 +386,16 @@ def run(args: argparse.Namespace) -> int:
         sweep_max_bytes=sweep_max,
         max_seconds=args.max_seconds,
     )
-    results = harness.run(config, show_progress=not args.no_progress)
-    print(report.terminal_report(results))
-    written = report.write_all(results, args.out)
-    print("\nwrote " + ", ".join(str(p) for p in written.values()))
-    failed = [m for m in (*results.measurements, *results.correctness) if m.status == "FAILED"]
-    for m in failed:
-        print(f"FAILED: {m.path} on {m.case} {m.direction}: {m.note}", file=sys.stderr)
-    # A project path that is not byte-exact fails the run; a failing baseline is
-    # reported but does not (its optional API may differ on this machine).
-    return 1 if any(m.role == "project" for m in failed) else 0
 
 
-__all__ = ["DEFAULT_OUT", "OUTPUT_FILES", "PRESET_NAMES", "configure_parser", "run"]
+__all__ = [
+    "DEFAULT_OUT",
+    "MAX_BUDGET_SECONDS",
+    "MAX_REPEATS",
+    "MAX_WARMUP",
+    "OUTPUT_FILES",
+    "PHASES",
+    "PRESET_NAMES",
+    "configure_parser",
+    "run",
+]

@@ -11,14 +11,18 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from triton_offload.cli.args import UsageError, check_fits_in_memory, format_bytes, int_at_least
+from triton_offload.cli.args import UsageError, check_fits_in_memory, format_bytes, int_between
+from triton_offload.cli.interrupt import PhaseTracker
 from triton_offload.planner.groups import MAMBA_CACHE_MODES, GroupKind, GroupSpec, ParallelSpec
 from triton_offload.planner.plan import OffloadPlan, plan_offload
 from triton_offload.planner.presets import PRESETS, preset_names
 
 __all__ = [
     "COLUMNS",
+    "MAX_BLOCKS_PER_CHUNK",
+    "MAX_RANKS",
     "MAX_SAMPLE_CHUNKS",
+    "MAX_TOKENS",
     "SAMPLE_BYTES_PER_CHUNK",
     "build_plan",
     "configure_parser",
@@ -33,6 +37,17 @@ SAMPLE_BYTES_PER_CHUNK = 64
 #: measured on one core, so this bound (16.7M chunks, e.g. a 268M-token prompt of one
 #: 16-token group) answers within ~12 s and 1 GiB. Real contexts are far shorter.
 MAX_SAMPLE_CHUNKS = 1 << 24
+#: Upper bounds of the numeric flags; each message says where its bound comes from.
+#: Token counts (prompt, window, block): vLLM keeps token positions in 32-bit integers.
+MAX_TOKENS = (1 << 31) - 1
+#: Ranks (--tp, --dcp, --pcp): one GPU each; no model instance spans more GPUs (the
+#: plan's own time and memory do not grow with them).
+MAX_RANKS = 1 << 16
+#: Memory: one chunk is one host block holding this many GPU blocks of every layer of
+#: its group; 2^20 blocks of even a 4 KiB page are 4 GiB per layer.
+MAX_BLOCKS_PER_CHUNK = 1 << 20
+_TOKENS_WHY = "vLLM's token positions are 32-bit integers"
+_RANKS_WHY = "ranks: one GPU each, more than any model instance runs on"
 
 _WINDOW_KINDS = (GroupKind.SLIDING_WINDOW.value, GroupKind.CHUNKED_LOCAL.value)
 _OPTIONS = "window=TOKENS, mode=MODE, eagle, name=NAME"
@@ -53,6 +68,10 @@ def _positive(text: str, what: str, value: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r}: {what} {value!r} is not an integer") from None
     if number < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: {what} {number} must be >= 1")
+    if number > MAX_TOKENS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: {what} {number} must be <= {MAX_TOKENS:,} ({_TOKENS_WHY})"
+        )
     return number
 
 
@@ -158,31 +177,42 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--tp",
-        type=int_at_least(1, "TP size"),
+        type=int_between(1, MAX_RANKS, "TP size", _RANKS_WHY),
         default=None,
         help="tensor-parallel size, a multiple of --dcp (default: the preset's, else 1)",
     )
     parser.add_argument(
-        "--dcp", type=int_at_least(1, "DCP size"), default=1, help="decode-context-parallel size"
+        "--dcp",
+        type=int_between(1, MAX_RANKS, "DCP size", _RANKS_WHY),
+        default=1,
+        help="decode-context-parallel size",
     )
     parser.add_argument(
-        "--pcp", type=int_at_least(1, "PCP size"), default=1, help="prefill-context-parallel size"
+        "--pcp",
+        type=int_between(1, MAX_RANKS, "PCP size", _RANKS_WHY),
+        default=1,
+        help="prefill-context-parallel size",
     )
     parser.add_argument(
         "--blocks-per-chunk",
-        type=int_at_least(1, "blocks per chunk"),
+        type=int_between(
+            1,
+            MAX_BLOCKS_PER_CHUNK,
+            "blocks per chunk",
+            "memory: a chunk is one host block of that many GPU blocks per layer",
+        ),
         default=1,
         help="GPU blocks per offload chunk",
     )
     parser.add_argument(
         "--prompt-tokens",
-        type=int_at_least(0, "prompt tokens"),
+        type=int_between(0, MAX_TOKENS, "prompt tokens", _TOKENS_WHY),
         default=1024,
         help="sample prompt length",
     )
     parser.add_argument(
         "--computed-tokens",
-        type=int_at_least(0, "computed tokens"),
+        type=int_between(0, MAX_TOKENS, "computed tokens", _TOKENS_WHY),
         default=0,
         help="tokens of the prompt already on the GPU for the sample lookup",
     )
@@ -247,14 +277,18 @@ def run(args: argparse.Namespace) -> int:
     _check_sample_size(plan, prompt)
     if args.preset:
         print(f"preset {args.preset}: {PRESETS[args.preset].description}")
-    print(plan.describe(prompt_tokens=prompt))
-    present = []
-    for index, group in enumerate(plan.groups):
-        row = bytearray(group.storable_chunk_count(prompt))
-        for chunk in plan.store_reachable_chunks(index, len(row)):
-            row[chunk] = 1
-        present.append(row)
-    hit = plan.lookup(prompt, args.computed_tokens, present)
+    # The sample of the longest allowed prompt walks for ~12 s: a heartbeat line on
+    # stderr after every quiet 10 s (nothing for the usual sub-second table).
+    tracker = PhaseTracker("plan", labels={"start-up": "the plan table and sample lookup"})
+    with tracker.heartbeat():
+        print(plan.describe(prompt_tokens=prompt))
+        present = []
+        for index, group in enumerate(plan.groups):
+            row = bytearray(group.storable_chunk_count(prompt))
+            for chunk in plan.store_reachable_chunks(index, len(row)):
+                row[chunk] = 1
+            present.append(row)
+        hit = plan.lookup(prompt, args.computed_tokens, present)
     print(
         f"lookup: prompt {prompt} tokens, {args.computed_tokens} computed, every reachable "
         f"chunk stored -> load {hit} tokens"

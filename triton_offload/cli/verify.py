@@ -12,19 +12,56 @@ any scenario differs.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import signal
 import sys
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from triton_offload.cli.args import UsageError, check_fits_in_memory, format_bytes, int_at_least
+from triton_offload.cli.args import (
+    UsageError,
+    check_fits_in_memory,
+    check_output_dir,
+    folder,
+    format_bytes,
+    int_at_least,
+)
+from triton_offload.cli.interrupt import (
+    Interrupted,
+    PhaseTracker,
+    ignore_further,
+    interrupts_raise,
+)
 from triton_offload.planner.presets import PRESETS, preset_names
 
 if TYPE_CHECKING:  # serving imports torch: loaded only when a run starts
     from triton_offload.verify.serving import Scenario, ScenarioResult
 
-__all__ = ["MAX_REQUEST_TOKENS", "configure_parser", "format_table", "needed_bytes", "run"]
+__all__ = [
+    "MAX_REQUEST_TOKENS",
+    "PARTIAL_JSON",
+    "PHASES",
+    "RESULTS_JSON",
+    "configure_parser",
+    "format_table",
+    "needed_bytes",
+    "run",
+]
+
+#: What ``--out`` receives: a complete run's rows, or an interrupted run's (a new name,
+#: so a complete file written earlier into the folder stays as it was).
+RESULTS_JSON = "verify.json"
+PARTIAL_JSON = "verify.partial.json"
+#: What the interrupt message and the progress lines call each phase.
+PHASES = {
+    "start-up": "start-up (importing torch, building the scenarios)",
+    "scenarios": "the scenarios",
+    "report": "writing the results",
+}
 
 _BACKENDS = ("torch", "triton")
 
@@ -86,6 +123,15 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "round-down), wrong-slot (load jobs with rotated GPU blocks), vllm-lookup (vLLM "
         "0.33's stock lookup rule; fails the mamba-chunk-cut scenarios)",
     )
+    parser.add_argument(
+        "--out",
+        type=folder,
+        default=None,
+        metavar="DIR",
+        help=f"also write the rows to DIR/{RESULTS_JSON} (created if missing); an "
+        f"interrupted run writes the rows it finished to DIR/{PARTIAL_JSON} instead",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
 
 
 def _prepare_backend(backend: str) -> str | None:
@@ -208,30 +254,78 @@ def format_table(results: Sequence[ScenarioResult]) -> str:
     return "\n".join(lines)
 
 
+def _rows(results: Sequence[ScenarioResult]) -> list[dict[str, Any]]:
+    rows = []
+    for r in results:
+        row = asdict(r)
+        row["passed"] = r.passed
+        if row["max_abs_diff"] != row["max_abs_diff"]:  # NaN (not compared) is not JSON
+            row["max_abs_diff"] = None
+        rows.append(row)
+    return rows
+
+
+def _write_json(out: Path, name: str, payload: dict[str, Any]) -> Path:
+    """Write ``payload`` to ``out/name`` under a temporary name, then rename it: an
+    interrupt never leaves half a file."""
+    target = out / name
+    staged = out / f".{name}.{os.getpid()}.tmp"
+    try:
+        staged.write_text(json.dumps(payload, indent=2) + "\n")
+        os.replace(staged, target)
+    finally:
+        staged.unlink(missing_ok=True)
+    return target
+
+
 def run(args: argparse.Namespace) -> int:
     problem = _prepare_backend(args.backend)
     if problem is not None:
         raise UsageError(f"--backend {args.backend}: {problem}")
+    if args.out is not None:
+        check_output_dir("--out", args.out, (RESULTS_JSON, PARTIAL_JSON))
+    tracker = PhaseTracker("verify", progress=not args.no_progress, labels=PHASES)
+    results: list[ScenarioResult] = []
+    scenarios: Sequence[Scenario] = ()
+    with interrupts_raise(), tracker.heartbeat():
+        try:
+            tracker.enter("start-up")
+            from triton_offload.verify.serving import PRESETS as LAYERS
+            from triton_offload.verify.serving import build_scenarios, run_scenarios
 
-    from triton_offload.verify.serving import PRESETS as LAYERS
-    from triton_offload.verify.serving import build_scenarios, run_scenarios
-
-    presets = list(LAYERS) if args.preset == "all" else [args.preset]
-    dcps = [1, 2] if args.dcp is None else [args.dcp]
-    bpcs = [1, 2] if args.blocks_per_chunk is None else [args.blocks_per_chunk]
-    scenarios = build_scenarios(presets, dcps, bpcs)
-    _check_sizes(args, scenarios)
-    inject = f", injected bug: {args.inject}" if args.inject else ""
-    print(
-        f"verify: {len(scenarios)} scenarios, backend {args.backend}, "
-        f"{args.max_new_tokens} new tokens per request{inject}"
-    )
-    start = time.perf_counter()
-    results = run_scenarios(
-        scenarios, backend=args.backend, inject=args.inject, max_new_tokens=args.max_new_tokens
-    )
-    elapsed = time.perf_counter() - start
+            presets = list(LAYERS) if args.preset == "all" else [args.preset]
+            dcps = [1, 2] if args.dcp is None else [args.dcp]
+            bpcs = [1, 2] if args.blocks_per_chunk is None else [args.blocks_per_chunk]
+            scenarios = build_scenarios(presets, dcps, bpcs)
+            _check_sizes(args, scenarios)
+            inject = f", injected bug: {args.inject}" if args.inject else ""
+            print(
+                f"verify: {len(scenarios)} scenarios, backend {args.backend}, "
+                f"{args.max_new_tokens} new tokens per request{inject}",
+                flush=True,
+            )
+            start = time.perf_counter()
+            run_scenarios(
+                scenarios,
+                backend=args.backend,
+                inject=args.inject,
+                max_new_tokens=args.max_new_tokens,
+                results=results,
+                on_scenario=lambda s: tracker.enter("scenarios", s.name),
+            )
+            elapsed = time.perf_counter() - start
+            tracker.enter("report")
+            written = None
+            if args.out is not None:
+                payload = {"partial": None, "scenarios": _rows(results)}
+                written = _write_json(args.out, RESULTS_JSON, payload)
+                (args.out / PARTIAL_JSON).unlink(missing_ok=True)  # superseded
+        except (Interrupted, KeyboardInterrupt) as stop:
+            signum = stop.signum if isinstance(stop, Interrupted) else int(signal.SIGINT)
+            return _interrupted(Interrupted(signum), tracker, args, scenarios, results)
     print(format_table(results))
+    if written is not None:
+        print(f"\nwrote {written}")
     failed = [r for r in results if not r.passed]
     if failed:
         print(f"\nFAILED: {len(failed)} of {len(results)} scenarios ({elapsed:.1f} s)")
@@ -240,3 +334,36 @@ def run(args: argparse.Namespace) -> int:
         return 1
     print(f"\nall {len(results)} scenarios equal ({elapsed:.1f} s)")
     return 0
+
+
+def _interrupted(
+    stop: Interrupted,
+    tracker: PhaseTracker,
+    args: argparse.Namespace,
+    scenarios: Sequence[Scenario],
+    results: Sequence[ScenarioResult],
+) -> int:
+    """An interrupted run: the finished rows, marked partial, to ``--out`` (a new file)
+    or, without ``--out``, as a table on stdout; one line on stderr."""
+    ignore_further()  # also after a KeyboardInterrupt that bypassed our handler
+    message = f"interrupted by {stop.name} during {tracker.where()}"
+    done = (
+        f"{len(results)} of {len(scenarios)} scenarios finished" if scenarios else "no scenario ran"
+    )
+    where = "nothing written"
+    if args.out is not None:
+        payload = {
+            "partial": {
+                "signal": stop.name,
+                "phase": tracker.phase,
+                "where": tracker.where(),
+                "message": f"{message}; {done}",
+            },
+            "scenarios": _rows(results),
+        }
+        where = f"partial results in {_write_json(args.out, PARTIAL_JSON, payload)}"
+    elif results:
+        print(f"PARTIAL ({message}; {done}):\n{format_table(results)}")
+        where = "partial table on stdout"
+    print(f"triton-offload verify: {message}; {done}; {where}", file=sys.stderr)
+    return stop.exit_status

@@ -103,7 +103,9 @@ class GroupPlan:
         lo = self.first_needed_token(hit_end) // tpc
         if hit_end % tpc:
             # A hit inside a chunk loads the block of the first recomputed token, so
-            # that chunk is read even when the attention reaches no token before it.
+            # that chunk is read even when the attention reaches no token before it:
+            # vLLM 0.33 loads every allocated block up to that one, and asserts when
+            # its chunk is not a whole one of the prompt (tests/test_vllm_hit_rule.py).
             lo = min(lo, top - 1)
         return max(0, min(lo, top)), top
 

@@ -34,7 +34,7 @@ import contextlib
 import hashlib
 import itertools
 from array import array
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -595,14 +595,23 @@ def run_scenarios(
     backend: Backend = "torch",
     inject: str | None = None,
     max_new_tokens: int = 8,
+    results: list[ScenarioResult] | None = None,
+    on_scenario: Callable[[Scenario], None] | None = None,
 ) -> list[ScenarioResult]:
-    """Run scenarios, one server per (preset, dcp, blocks_per_chunk)."""
-    results = []
+    """Run scenarios, one server per (preset, dcp, blocks_per_chunk).
+
+    Results are appended to ``results`` (a new list by default) as each scenario ends,
+    so a run cut short (an interrupt) leaves the finished ones there; ``on_scenario``
+    is called as each one starts (the command names where it was cut, and prints
+    progress)."""
+    results = [] if results is None else results
     key = None
     server: OffloadServer | None = None
     models: dict[str, HybridModel] = {}
     try:
         for scenario in scenarios:
+            if on_scenario is not None:
+                on_scenario(scenario)
             this = (
                 scenario.preset,
                 scenario.dcp,

@@ -35,6 +35,17 @@ class UnsupportedVLLMError(ImportError):
     """The installed vLLM's offloading API is not the one this package implements."""
 
 
+class BrokenVLLMError(UnsupportedVLLMError):
+    """The installed vLLM is a supported release but does not import (a module outside
+    vLLM is missing or broken). A subclass so that callers catching
+    :class:`UnsupportedVLLMError` keep working; the message names the real cause."""
+
+
+#: Distributions whose import name differs from their package name, for the hint of
+#: a :class:`BrokenVLLMError` (vLLM's imports need them; `ci/vllm-cpu.txt` pins them).
+_DISTRIBUTIONS = {"PIL": "pillow", "cpuinfo": "py-cpuinfo", "yaml": "PyYAML", "zmq": "pyzmq"}
+
+
 def installed_vllm_version() -> str:
     """The installed vLLM distribution's version string (``"unknown"`` without metadata)."""
     try:
@@ -80,6 +91,18 @@ def supported_vllm_api() -> Iterator[None]:
     except ImportError as error:
         if isinstance(error, UnsupportedVLLMError):
             raise
+        module = error.name or ""
+        if module and module != "vllm" and not module.startswith("vllm."):
+            # The release is in range and vLLM's own names are not the problem: one of
+            # its dependencies is missing. "Unsupported" would send the user after the
+            # wrong fix (another vLLM release).
+            top = module.split(".")[0]
+            distribution = _DISTRIBUTIONS.get(top, top)
+            raise BrokenVLLMError(
+                f"vllm {version} is supported but does not import: {error} (install "
+                f"{distribution!r}, or vLLM's dependencies with `pip install vllm=={version}`; "
+                "ci/vllm-cpu.txt lists what a CPU-only install needs)"
+            ) from error
         raise UnsupportedVLLMError(
             f"triton_offload.vllm supports vllm{SUPPORTED_VLLM}, found vllm {version} "
             f"whose offloading API lacks a name this package uses ({error}; module "
@@ -95,6 +118,7 @@ __all__ = [
     "SUPPORTED_VLLM_MAX",
     "SUPPORTED_VLLM_MIN",
     "TIERING_SPEC_NAME",
+    "BrokenVLLMError",
     "UnsupportedVLLMError",
     "check_vllm_version",
     "installed_vllm_version",
