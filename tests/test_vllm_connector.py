@@ -384,13 +384,16 @@ class Serving:
 
     def step(self, output: Any) -> set[str]:
         """One engine step: scheduler metadata -> worker transfers -> worker report."""
+        return self.work(self.connector.build_connector_meta(output), output)
+
+    def work(self, meta: Any, output: Any) -> set[str]:
+        """The worker's half of a step: run ``meta``'s transfers, report to the scheduler."""
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
             OffloadingWorkerMetadata,
         )
         from vllm.forward_context import ForwardContext
         from vllm.v1.outputs import KVConnectorOutput
 
-        meta = self.connector.build_connector_meta(output)
         worker = self.worker_side.connector
         worker.handle_preemptions(meta)
         worker.bind_connector_metadata(meta)
@@ -412,6 +415,7 @@ class Serving:
         scheduled: dict[str, int] | None = None,
         finished: set[str] | None = None,
         handoffs: dict[str, list[tuple[int, int, int]]] | None = None,
+        preempted: set[str] | None = None,
     ) -> Any:
         from vllm.v1.core.sched.output import KVConnectorBlockState
 
@@ -422,7 +426,7 @@ class Serving:
             ),
             num_scheduled_tokens=scheduled or {},
             finished_req_ids=finished or set(),
-            preempted_req_ids=set(),
+            preempted_req_ids=preempted or set(),
             kv_cache_block_copies=None,
             kv_connector_block_state=None
             if handoffs is None
@@ -716,3 +720,107 @@ def test_random_hybrids_lookups_once_per_key_valid_and_never_below_stock(seed: i
         assert hit_is_valid(plan, num_tokens, 0, present, ours)
     if stock_hit and hit_is_valid(plan, num_tokens, 0, present, stock_hit):
         assert ours >= stock_hit
+
+
+# ------------------------------------------ vLLM's request flows around a planned load
+
+
+def _start_load(serving: Serving, req_id: str, num_tokens: int) -> tuple[Any, int, list[Any]]:
+    """Request ``req_id`` looks up and vLLM's managers allocate its blocks; the load job
+    is scheduled (not yet run by a step). Returns (request, hit, blocks per group)."""
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+
+    request = serving.scheduler_side.request(req_id, num_tokens)
+    hit, load_async = serving.connector.get_num_new_matched_tokens(request, 0)
+    serving.scheduler_side.scheduler._release_step()
+    assert hit and load_async
+    for manager in serving.managers:
+        manager.add_local_computed_blocks(req_id, [], 0, hit)
+    for manager in serving.managers:
+        manager.allocate_external_computed_blocks(req_id, 0, hit)
+    blocks = [list(m.req_to_blocks[req_id]) for m in serving.managers]
+    serving.connector.update_state_after_alloc(request, KVCacheBlocks(tuple(blocks)), hit)
+    return request, hit, blocks
+
+
+SPECS_WITH_MAMBA = [attention(4), mamba(16)]
+
+
+def test_a_chunk_being_loaded_defers_a_second_lookup_of_it() -> None:
+    """Two requests with one prefix: while the first one's planned load is in flight,
+    the second is deferred (no second load of the same chunks); once the load landed,
+    the second hits the same tokens."""
+    serving = Serving(SPECS_WITH_MAMBA)
+    serving.store_prompt(65)
+    _, hit, _ = _start_load(serving, "B", 65)
+    request = serving.scheduler_side.request("C", 65)
+    assert serving.connector.get_num_new_matched_tokens(request, 0) == (None, False)
+    serving.scheduler_side.scheduler._release_step()
+    assert "B" in serving.step(serving.output())
+    again = serving.scheduler_side.request("C2", 65)
+    assert serving.connector.get_num_new_matched_tokens(again, 0)[0] == hit
+
+
+def _run_until_received(serving: Serving, req_id: str, output: Any) -> None:
+    received = serving.step(output)
+    for _ in range(3):
+        if req_id in received:
+            return
+        received |= serving.step(serving.output())
+    assert req_id in received
+
+
+def test_a_request_aborted_during_its_planned_load_ends_cleanly() -> None:
+    """An abort while a planned load is in flight follows vLLM's path: the request is
+    finished at once (vLLM's core keeps its blocks until the load is reported), the
+    load lands and is reported, no job is left, and the chunks serve the next request."""
+    from vllm.v1.request import RequestStatus
+
+    serving = Serving(SPECS_WITH_MAMBA)
+    serving.store_prompt(65)
+    request, hit, _ = _start_load(serving, "B", 65)
+    request.status = RequestStatus.FINISHED_ABORTED
+    assert serving.connector.request_finished(request, []) == (False, None)
+    _run_until_received(serving, "B", serving.output(finished={"B"}))
+    assert not serving.connector.connector_scheduler._jobs
+    again = serving.scheduler_side.request("C", 65)
+    assert serving.connector.get_num_new_matched_tokens(again, 0)[0] == hit
+
+
+def test_a_cache_reset_with_a_planned_load_in_flight_discards_the_stale_report() -> None:
+    """A prefix-cache reset while a planned load is in flight: vLLM flushes the job to
+    the worker, treats its report as stale once it arrives (no error), lifts the reset
+    fence, and the next lookup finds nothing."""
+    serving = Serving(SPECS_WITH_MAMBA)
+    serving.store_prompt(65)
+    _start_load(serving, "B", 65)
+    scheduler = serving.connector.connector_scheduler
+    output = serving.output()
+    meta = serving.connector.build_connector_meta(output)  # the load goes to the worker
+    serving.connector.reset_cache()  # between steps, with the load in flight
+    assert scheduler._reset_fence  # the in-flight job holds the reset open
+    received = serving.work(meta, output)
+    for _ in range(3):
+        if "B" in received and not scheduler._reset_fence:
+            break
+        received |= serving.step(serving.output())
+    assert "B" in received
+    assert not scheduler._reset_fence and not scheduler._jobs
+    probe = serving.scheduler_side.request("after-reset", 65)
+    assert serving.connector.get_num_new_matched_tokens(probe, 0)[0] == 0
+
+
+def test_a_preempted_request_looks_up_again_and_reloads_the_same_hit() -> None:
+    """Preemption after a planned load: vLLM's core frees the request's blocks and looks
+    it up again from token 0; the planner answers with the same hit, and the second
+    load lands too (no job left from the first)."""
+    serving = Serving(SPECS_WITH_MAMBA)
+    serving.store_prompt(65)
+    request, hit, _ = _start_load(serving, "B", 65)
+    _run_until_received(serving, "B", serving.output())
+    serving.step(serving.output(preempted={"B"}))
+    for manager in serving.managers:
+        manager.free("B")
+    again, load_async = serving.connector.get_num_new_matched_tokens(request, 0)
+    serving.scheduler_side.scheduler._release_step()
+    assert (again, load_async) == (hit, True)
