@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+pytest.importorskip("vllm", reason="triton_offload.vllm needs vllm installed")
+
 from triton_offload.vllm import compat
 
 
