@@ -12,6 +12,7 @@ Everything skips, with the import error as the reason, where vLLM cannot be impo
 from __future__ import annotations
 
 import logging
+import uuid
 from types import SimpleNamespace
 from typing import Any
 from unittest.mock import patch
@@ -85,6 +86,7 @@ class Engine:
         dcp: int = 1,
         role: Any = None,
         extra: dict[str, Any] | None = None,
+        engine_id: str = "engine-0",
     ) -> None:
         extra_config: dict[str, Any] = {"cpu_bytes_to_use": 1 << 22, **(extra or {})}
         if stock:
@@ -97,7 +99,7 @@ class Engine:
                 kv_connector_module_path=None if stock else MODULE,
                 kv_role="kv_both",
                 kv_connector_extra_config=extra_config,
-                engine_id="engine-0",
+                engine_id=engine_id,
             ),
             parallel_config=parallel,
             cache_config=CacheConfig(
@@ -340,6 +342,17 @@ def test_factory_resolves_the_connector_by_module_path() -> None:
 # ---------------------------------------------------------------- end to end
 
 
+_OPEN_SERVINGS: list[Serving] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_servings() -> Any:
+    """Every Serving a test built is shut down after it (its region leaves /dev/shm)."""
+    yield
+    while _OPEN_SERVINGS:
+        _OPEN_SERVINGS.pop().close()
+
+
 class Serving:
     """Our connector in both roles over CPU tensors: the scheduler side (real requests,
     block hashes, CPU manager), the worker side (``register_kv_caches`` on real tensors,
@@ -353,8 +366,11 @@ class Serving:
         from vllm.v1.core.block_pool import BlockPool
         from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
-        self.scheduler_side = Engine(specs)
-        self.worker_side = Engine(specs, role=KVConnectorRole.WORKER)
+        # Each instance maps its own shared region (one engine id), released by close().
+        engine_id = f"serving-{uuid.uuid4()}"
+        self.scheduler_side = Engine(specs, engine_id=engine_id)
+        self.worker_side = Engine(specs, role=KVConnectorRole.WORKER, engine_id=engine_id)
+        _OPEN_SERVINGS.append(self)
         self.specs = specs
         generator = torch.Generator().manual_seed(0)
         self.tensors: dict[str, torch.Tensor] = {}
@@ -381,6 +397,10 @@ class Serving:
     @property
     def connector(self) -> Any:
         return self.scheduler_side.connector
+
+    def close(self) -> None:
+        """Shut the worker side down: the engine stops, the shared region is released."""
+        self.worker_side.connector.shutdown()
 
     def step(self, output: Any) -> set[str]:
         """One engine step: scheduler metadata -> worker transfers -> worker report."""
