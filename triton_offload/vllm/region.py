@@ -53,15 +53,15 @@ from typing import Any
 import numpy as np
 import torch
 
+# Whole-region locking uses the engine's own pool pieces: whole rows of about
+# DEFAULT_PIECE_BYTES (each cudaHostRegister call short, ~100 calls for 100 GiB).
+from triton_offload.transfer.pool import DEFAULT_PIECE_BYTES, piece_ranges
+
 logger = logging.getLogger("vllm.triton_offload")
 
 #: vLLM's CPU spec splits its region into this many files (pre-faulted in parallel);
 #: used when vLLM's own constant cannot be imported.
 REGION_SEGMENTS = 32
-
-#: Registration piece size for whole-region locking. Matches this project's own pool:
-#: each ``cudaHostRegister`` call stays short while a 100 GiB region needs ~100 calls.
-DEFAULT_PIECE_BYTES = 1 << 30
 
 #: Lock only this worker's pages when the other workers' pages leave at least this many
 #: bytes per row unlocked: below it the per-call cost of one registration per row
@@ -236,10 +236,8 @@ def lock_ranges(plan: RegionPlan, piece_bytes: int = DEFAULT_PIECE_BYTES) -> lis
             end = _round_up(start + plan.cpu_page_size, page)
             ranges.append((aligned, end - aligned))
         return ranges
-    rows_per_piece = max(1, piece_bytes // plan.row_stride)
-    step = rows_per_piece * plan.row_stride
-    total = plan.total_bytes
-    return [(offset, min(step, total - offset)) for offset in range(0, total, step)]
+    # The engine's own pool is cut the same way (rows are OS-page multiples here).
+    return piece_ranges(plan.num_chunks, plan.row_stride, piece_bytes)
 
 
 def lock_worker_pages(
