@@ -77,6 +77,7 @@ def make_config(
         extra_config={
             "spec_name": spec_name,
             "cpu_bytes_to_use": cpu_bytes,
+            "verify_chunks": False,  # the copy is judged here; seals in test_vllm_integrity.py
             "backend": "torch",
             **(extra or {}),
         },

@@ -89,6 +89,7 @@ def make_config(
         extra_config={
             "spec_name": spec_name,
             "cpu_bytes_to_use": NUM_CHUNKS * row_stride(world_size, replicated),
+            "verify_chunks": False,  # the copy is judged here; seals in test_vllm_integrity.py
             "backend": "torch",
         },
         engine_id=engine_id,
@@ -321,25 +322,30 @@ def test_workers_share_one_region(world_size: int, replicated: bool, spec_name: 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4, 8])
 @pytest.mark.parametrize("replicated", [False, True], ids=["per-worker", "replicated"])
+@pytest.mark.parametrize("verify", [False, True], ids=["unsealed", "sealed"])
 def test_chunk_count_is_vllms_on_its_shared_region(
-    world_size: int, replicated: bool, monkeypatch: pytest.MonkeyPatch
+    world_size: int, replicated: bool, verify: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """vLLM's CPU spec on CUDA (its shared region): one copy per replicated chunk."""
+    """vLLM's CPU spec on CUDA (its shared region): one copy per replicated chunk; with
+    verification on, each worker page is 64 bytes longer (its seal), counted the same way."""
     monkeypatch.setattr(CPUOffloadingSpec, "_uses_shared_region", lambda self: True)
     config = make_config(0, world_size, replicated, "count", tv.SPEC_NAME)
-    config = type(config)(**{**config.__dict__, "extra_config": {"cpu_bytes_to_use": 1 << 20}})
+    extra = {"cpu_bytes_to_use": 1 << 20, "verify_chunks": verify}
+    config = type(config)(**{**config.__dict__, "extra_config": extra})
     theirs = CPUOffloadingSpec(config)
     ours = tv.TritonOffloadingSpec(config)
     assert ours.replicated_layout is theirs.replicated_layout is replicated
-    assert (ours.num_chunks, ours.kv_bytes_per_chunk, ours.cpu_page_size_per_worker) == (
-        theirs.num_chunks,
-        theirs.kv_bytes_per_chunk,
-        theirs.cpu_page_size_per_worker,
-    )
-    # By hand: 1 MiB over chunks of 672 bytes x copies, rounded up to the 4 KiB page.
+    if not verify:
+        assert (ours.num_chunks, ours.kv_bytes_per_chunk, ours.cpu_page_size_per_worker) == (
+            theirs.num_chunks,
+            theirs.kv_bytes_per_chunk,
+            theirs.cpu_page_size_per_worker,
+        )
+    # By hand: 1 MiB over chunks of 672 (+ 64 sealed) bytes x copies, rounded up to 4 KiB.
     copies = 1 if replicated else world_size
-    assert ours.num_chunks == (1 << 20) // round_up(CPU_PAGE * copies, PAGE)
-    assert ours.cpu_page_size_per_worker == CPU_PAGE
+    page = CPU_PAGE + (64 if verify else 0)
+    assert ours.num_chunks == (1 << 20) // round_up(page * copies, PAGE)
+    assert ours.cpu_page_size_per_worker == page
 
 
 @pytest.mark.parametrize("world_size", [2, 4, 8])
@@ -348,8 +354,14 @@ def test_replicated_sizing_removes_the_world_factor(world_size: int, spec_name: 
     """vLLM's own sizing case: one page per block, room for 8 single-copy chunks."""
     config = make_config(0, world_size, True, "sizing", spec_name)
     fields = {**config.__dict__, "worker_kv_bytes_per_block": PAGE}
-    fields["extra_config"] = {"cpu_bytes_to_use": 8 * PAGE * BPC}
+    fields["extra_config"] = {"cpu_bytes_to_use": 8 * PAGE * BPC, "verify_chunks": False}
     spec = getattr(tv, spec_name)(type(config)(**fields))
     assert spec.replicated_layout is True
     assert spec.cpu_page_size_per_worker == spec.kv_bytes_per_chunk == PAGE * BPC
     assert spec.num_chunks == 8
+    # Sealed: the page grows by its 64-byte seal and the row by a whole OS page.
+    fields["extra_config"] = {"cpu_bytes_to_use": 8 * PAGE * BPC}
+    sealed = getattr(tv, spec_name)(type(config)(**fields))
+    assert sealed.cpu_page_size_per_worker == PAGE * BPC + 64
+    assert sealed.kv_bytes_per_chunk == PAGE * BPC + PAGE
+    assert sealed.num_chunks == 8 * PAGE * BPC // (PAGE * BPC + PAGE)

@@ -67,6 +67,9 @@ NUM_CHUNKS = 8
 def _config(extra: dict[str, Any] | None = None, **changes: Any) -> OffloadingConfig:
     extra_config = {"spec_name": SPEC_NAME, "spec_module_path": MODULE}
     extra_config["cpu_bytes_to_use"] = CPU_BYTES
+    extra_config["verify_chunks"] = (
+        False  # the copy is judged here; seals in test_vllm_integrity.py
+    )
     extra_config.update(extra or {})
     config = offloading_config(
         groups=hybrid_groups(attention_tokens_per_block=32),
@@ -371,7 +374,9 @@ def test_crossover_takes_the_engines_rule(tv: Any, crossover: Any, parsed: Any) 
 def test_extra_config_reaches_the_engine(tv: Any) -> None:
     extra = {"backend": "torch", "num_programs": 7, "crossover": {"store": 8192, "load": 4096}}
     spec = tv.TritonOffloadingSpec(_config(extra))
-    assert spec.engine_options == tv.EngineOptions("torch", 7, {"store": 8192, "load": 4096})
+    assert spec.engine_options == tv.EngineOptions(
+        "torch", 7, {"store": 8192, "load": 4096}, verify_chunks=False
+    )
     worker = spec.get_worker(Caches().canonical)
     assert worker.engine.backend == "torch"
     assert worker.engine.num_programs == 7

@@ -16,7 +16,13 @@ from triton_offload.transfer.jobs import FROM_POOL, TO_POOL
 from triton_offload.transfer.selection import parse_crossover
 
 #: Extra-config keys read by this backend on top of vLLM's CPU spec keys.
-EXTRA_CONFIG_KEYS = ("backend", "num_programs", "crossover", "replicated_store_timeout_s")
+EXTRA_CONFIG_KEYS = (
+    "backend",
+    "num_programs",
+    "crossover",
+    "replicated_store_timeout_s",
+    "verify_chunks",
+)
 BACKENDS = ("auto", "triton", "dma", "torch")
 
 
@@ -61,7 +67,9 @@ class EngineOptions:
     "auto" uses DMA for a plane, an int >= 0 or ``{"store": int, "load": int}``; None =
     measured when the worker starts. ``replicated_store_timeout_s``: under the
     replicated layout, how long a rank that copies nothing waits for rank 0 to publish
-    a store before reporting it failed (rank 0 may have died).
+    a store before reporting it failed (rank 0 may have died). ``verify_chunks``: seal
+    every stored page and check it before it is loaded or promoted (see
+    :mod:`triton_offload.vllm.integrity`); False gives rows without seals.
     """
 
     backend: Backend = "auto"
@@ -70,6 +78,7 @@ class EngineOptions:
     #: Rank 0 publishes a store once its copy finished: a copy of a whole job is far
     #: below a second at PCIe speed, so a minute means the writer is gone, not slow.
     replicated_store_timeout_s: float = 60.0
+    verify_chunks: bool = True
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> EngineOptions:
@@ -88,11 +97,17 @@ class EngineOptions:
                 "kv_connector_extra_config['replicated_store_timeout_s'] must be a positive "
                 f"number of seconds, got {timeout!r}"
             )
+        verify = extra.get("verify_chunks", True)
+        if not isinstance(verify, bool):
+            raise ValueError(
+                f"kv_connector_extra_config['verify_chunks'] must be true or false, got {verify!r}"
+            )
         return cls(
             backend=backend,
             num_programs=num_programs,
             crossover=crossover,
             replicated_store_timeout_s=float(timeout),
+            verify_chunks=verify,
         )
 
 

@@ -57,10 +57,24 @@ import torch
 
 from triton_offload import __version__
 from triton_offload.transfer.engine import TransferEngine
-from triton_offload.transfer.layout import CacheLayout, build_layout
+from triton_offload.transfer.layout import ROW_LAYOUT_VERSION, CacheLayout, build_layout
 from triton_offload.transfer.pool import cuda_api
+from triton_offload.transfer.seal import (
+    SEAL_BYTES,
+    PageSealer,
+    SealFormat,
+    digest8,
+    layout_description,
+)
 from triton_offload.vllm.compat import logger, supported_vllm_api
 from triton_offload.vllm.convert import caches_from_canonical, plan_from_offloading_config
+from triton_offload.vllm.integrity import (
+    ChunkGuard,
+    config_digest,
+    give_keys_to_specs,
+    host_manager,
+    region_rows,
+)
 from triton_offload.vllm.options import EngineOptions, validate_cpu_bytes
 from triton_offload.vllm.planning import warn_stock_lookup_hazards
 from triton_offload.vllm.region import (
@@ -78,6 +92,7 @@ from triton_offload.vllm.worker import TritonOffloadingWorker
 with supported_vllm_api():
     from vllm.platforms import current_platform
     from vllm.v1.kv_offload.base import CanonicalKVCaches
+    from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo
     from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
     from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
@@ -117,10 +132,34 @@ class TritonWorkerSide:
             )
         self.engine_options = EngineOptions.from_extra_config(extra)
         super().__init__(config)  # type: ignore[call-arg]
+        #: Pages end with a seal (chunk verification on): see triton_offload.vllm.integrity.
+        self.sealed_pages = self.engine_options.verify_chunks
+        if self.sealed_pages:
+            self._add_seal_room()
         # An attention-free model has no group: nothing to plan or move.
         self.plan = plan_from_offloading_config(config) if config.groups else None
         self._triton_manager: Any = None
         self._triton_worker: Any = None
+
+    def _add_seal_room(self) -> None:
+        """Grow each worker's page by the seal, and recount the chunks as vLLM's CPU
+        spec counts them (row = pages rounded up to the region's alignment)."""
+        config = self.config
+        world = int(config.parallel.world_size)
+        if config.worker_kv_bytes_per_block <= 0 or world <= 0:
+            return
+        copies = 1 if self.replicated_layout else world
+        page = int(self.cpu_page_size_per_worker) + SEAL_BYTES
+        alignment = int(self.BLOCK_SIZE_ALIGNMENT)
+        row = -(-page * copies // alignment) * alignment
+        self.cpu_page_size_per_worker = page
+        self.kv_bytes_per_chunk = row
+        self.num_chunks = int(self.extra_config["cpu_bytes_to_use"]) // row
+        self.cpu_info = CPUOffloadingInfo.from_config(config, self.num_chunks, row)
+
+    def seal_config_digest(self) -> bytes:
+        """The configuration digest every page seal of this spec carries."""
+        return config_digest(self, storage_layout_tag(self))
 
     def _uses_shared_region(self) -> bool:
         # vLLM's shared region on every platform this backend runs on (CUDA, and the CPU
@@ -132,6 +171,8 @@ class TritonWorkerSide:
     def get_manager(self) -> Any:
         first = self._triton_manager is None
         manager = self._triton_manager = super().get_manager()  # type: ignore[misc]
+        if first and self.sealed_pages:
+            self._guard_manager(manager)
         if first:
             warn_stock_lookup_hazards(self.config)
             logger.info(
@@ -147,6 +188,24 @@ class TritonWorkerSide:
             )
         return manager
 
+    def _guard_manager(self, manager: Any) -> None:
+        """Host specs carry their keys; promoted chunks are checked; a ``ChunkGuard`` on
+        the manager (``manager.triton_guard``) holds the quarantine the connector uses."""
+        give_keys_to_specs(manager)
+        primary = host_manager(manager)
+        memory = None
+        if primary is not None and hasattr(primary, "get_kv_memoryview"):
+            memory = primary.get_kv_memoryview()
+        guard = ChunkGuard(
+            region_rows=region_rows(memory, int(self.num_chunks), int(self.kv_bytes_per_chunk)),
+            page_bytes=int(self.cpu_page_size_per_worker),
+            page_count=1 if self.replicated_layout else int(self.config.parallel.world_size),
+            digest=self.seal_config_digest(),
+        )
+        for tier in getattr(manager, "secondary_tiers", ()):
+            guard.watch_tier(manager, tier)
+        manager.triton_guard = guard
+
     def get_worker(self, kv_caches: Any) -> TritonOffloadingWorker:
         if self._triton_worker is None:
             self._triton_worker = self.create_worker(kv_caches)
@@ -161,11 +220,12 @@ class TritonWorkerSide:
         layout = build_layout(
             caches, num_groups=len(caches), blocks_per_chunk=self.blocks_per_chunk
         )
-        if layout.row_bytes > region_plan.cpu_page_size:
+        room = region_plan.cpu_page_size - (SEAL_BYTES if self.sealed_pages else 0)
+        if layout.row_bytes > room:
             raise ValueError(
                 f"a host chunk of this worker's caches needs {layout.row_bytes} bytes "
                 f"(largest group row, planes 16-byte aligned) but vLLM's chunk gives "
-                f"each worker {region_plan.cpu_page_size} bytes "
+                f"each worker {room} bytes "
                 f"(worker_kv_bytes_per_block {self.config.worker_kv_bytes_per_block} "
                 f"x {self.blocks_per_chunk} blocks)"
             )
@@ -262,6 +322,7 @@ class TritonWorkerSide:
             ready = time.perf_counter()
             if layout is not None:
                 engine = self._new_engine(caches, region, region_plan, layout.row_bytes)
+            sealer = self._sealer(engine, region, region_plan)
         except BaseException:
             if ledger is not None:
                 ledger.close()
@@ -307,7 +368,27 @@ class TritonWorkerSide:
             ledger=ledger,
             cuda_api=api_used,
             replicated_store_timeout_s=self.engine_options.replicated_store_timeout_s,
+            sealer=sealer,
         )
+
+    def _sealer(self, engine: Any, region: Any, region_plan: RegionPlan) -> PageSealer | None:
+        """This worker's page sealer (None: verification off, or no engine)."""
+        if not self.sealed_pages or engine is None:
+            return None
+        layout = engine.layout
+        description = layout_description(
+            [(p.group, p.pool_offset, p.page_bytes) for p in layout.planes],
+            self.blocks_per_chunk,
+            ROW_LAYOUT_VERSION,
+        )
+        fmt = SealFormat(
+            self.seal_config_digest(),
+            digest8(description),
+            region_plan.slot,
+            1 if region_plan.replicated else region_plan.world_size,
+        )
+        pages = worker_pool_view(region, region_plan).numpy()
+        return PageSealer(pages, fmt, layout.group_row_bytes)
 
 
 class TritonOffloadingSpec(TritonWorkerSide, CPUOffloadingSpec):  # type: ignore[misc]

@@ -9,20 +9,60 @@ rank learns of rank 0's stores from the region's store ledger
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 
-from triton_offload.transfer.jobs import TO_POOL
+from triton_offload.transfer.jobs import TO_POOL, JobSpec
+from triton_offload.transfer.seal import PageSealer, key_digest
 from triton_offload.vllm.compat import logger, supported_vllm_api
 from triton_offload.vllm.convert import split_job
+from triton_offload.vllm.integrity import spec_keys
 from triton_offload.vllm.region import check_ledger_job_id, release_region, wait_until
 
 with supported_vllm_api():
     from vllm.v1.kv_offload.base import GPULoadStoreSpec, OffloadingWorker, TransferResult
     from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+
+@dataclasses.dataclass
+class TritonTransferResult(TransferResult):  # type: ignore[misc]
+    """vLLM's ``TransferResult`` plus, for a failed load, what did not load.
+
+    ``failed_blocks[g]``: group ``g``'s GPU block ids whose bytes must not count as
+    loaded; ``bad_keys``: keys whose host chunk failed verification (dropped by the
+    scheduler); ``problem``: why, for the log.
+    """
+
+    failed_blocks: tuple[tuple[int, ...], ...] = ()
+    bad_keys: tuple[bytes, ...] = ()
+    problem: str = ""
+
+
+def chunk_gpu_blocks(job: JobSpec, group: int, index: int, blocks_per_chunk: int) -> np.ndarray:
+    """GPU block ids of group ``group`` that chunk ``index`` of the job covers (the
+    first chunk's leading ``block_indices % bpc`` slots are not the job's)."""
+    first = job.first_block_index
+    skip = (int(first[group]) if first is not None else 0) % blocks_per_chunk
+    lo = max(0, index * blocks_per_chunk - skip)
+    hi = (index + 1) * blocks_per_chunk - skip
+    return np.asarray(job.gpu_blocks[group][lo:hi])
+
+
+def _chunk_entries(job: JobSpec, keys: tuple[bytes, ...] | None) -> list[tuple[int, int, int, Any]]:
+    """(group, index in group, host chunk id, key or None) of every chunk of a job, in
+    the host spec's order (keys, when the spec carries them, are in that order)."""
+    entries = []
+    position = 0
+    for group, chunks in enumerate(job.host_blocks):
+        for index, chunk in enumerate(chunks):
+            key = keys[position] if keys is not None else None
+            entries.append((group, index, int(chunk), key))
+            position += 1
+    return entries
 
 
 class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
@@ -61,6 +101,7 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
         ledger: Any = None,
         cuda_api: Any = None,
         replicated_store_timeout_s: float = 60.0,
+        sealer: PageSealer | None = None,
     ) -> None:
         self.engine = engine
         self.num_groups = num_groups
@@ -80,6 +121,11 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
         self.replicated_store_timeout_s = replicated_store_timeout_s
         self._empty_jobs: list[Any] = []  # jobs that move nothing on this worker
         self._ready: list[Any] = []  # engine results drained by wait()
+        #: Seals this worker's pages (None: verification off, or nothing to seal).
+        self.sealer = sealer
+        self._to_seal: dict[Any, list[tuple[int, int, Any]]] = {}  # store job -> chunks
+        # Load job -> (its JobSpec, the failed chunks found before the copy).
+        self._loads: dict[Any, tuple[JobSpec, list[tuple[int, int, Any, str]]]] = {}
 
     # ------------------------------------------------------------ job input
 
@@ -150,6 +196,11 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
             self._engine_jobs.add(job_id)
             if chunks is not None:
                 self._published[job_id] = chunks
+            if self.sealer is not None:
+                entries = _chunk_entries(job, spec_keys(dst_spec))
+                self._to_seal[job_id] = [
+                    (chunk, group, key_digest(key)) for group, _, chunk, key in entries
+                ]
         return accepted
 
     def submit_load(
@@ -163,10 +214,76 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
         if self.engine is None:
             self._empty_jobs.append(TransferResult(job_id, True, 0, 0.0))
             return True
+        bad = self._verify_load(job, spec_keys(src_spec)) if self.sealer is not None else []
         accepted = bool(self.engine.submit_load(job_id, job, expedited=bool(expedited)))
         if accepted:
             self._engine_jobs.add(job_id)
+            self._loads[job_id] = (job, bad)
         return accepted
+
+    def _verify_load(
+        self, job: JobSpec, keys: tuple[bytes, ...] | None
+    ) -> list[tuple[int, int, Any, str]]:
+        """The chunks of a load whose page on this worker fails its seal, checked before
+        any byte moves: (group, index in group, key, problem)."""
+        assert self.sealer is not None
+        bad = []
+        for group, index, chunk, key in _chunk_entries(job, keys):
+            digest = None if key is None else key_digest(key)
+            problem = self.sealer.problem(chunk, group, digest)
+            if problem is not None:
+                bad.append((group, index, key, problem))
+                logger.warning(
+                    "triton_offload: host chunk %d (key %s, group %d) refused before loading: %s",
+                    chunk,
+                    "unknown" if key is None else bytes(key).hex(),
+                    group,
+                    problem,
+                )
+        return bad
+
+    def _load_result(self, result: Any) -> Any:
+        """The vLLM result of a finished load: failed unless every chunk verified and
+        the copy succeeded; what failed is named per group."""
+        job, bad = self._loads.pop(result.job_id)
+        if result.success and not bad:
+            return TritonTransferResult(
+                result.job_id, True, result.transfer_size, result.transfer_time
+            )
+        if not result.success:
+            # The copy failed: none of the job's blocks is known to hold its bytes.
+            failed = tuple(tuple(int(b) for b in blocks) for blocks in job.gpu_blocks)
+            problem = "the copy failed"
+        else:
+            per_group: list[set[int]] = [set() for _ in job.gpu_blocks]
+            for group, index, _, _ in bad:
+                blocks = chunk_gpu_blocks(job, group, index, self.blocks_per_chunk)
+                per_group[group].update(int(b) for b in blocks)
+            failed = tuple(tuple(sorted(blocks)) for blocks in per_group)
+            problem = "; ".join(sorted({p for _, _, _, p in bad}))
+        return TritonTransferResult(
+            result.job_id,
+            False,
+            result.transfer_size,
+            result.transfer_time,
+            failed_blocks=failed,
+            bad_keys=tuple(bytes(key) for _, _, key, _ in bad if key is not None),
+            problem=problem,
+        )
+
+    def _seal_store(self, job_id: Any, success: bool) -> bool:
+        """Seal a finished store's chunks (only a successful copy is sealed)."""
+        entries = self._to_seal.pop(job_id, None)
+        if entries is None or not success:
+            return success
+        assert self.sealer is not None
+        try:
+            for chunk, group, digest in entries:
+                self.sealer.seal(chunk, group, digest)
+        except Exception:  # noqa: BLE001 - an unsealed store is a failed store
+            logger.exception("triton_offload: sealing store job %r failed", job_id)
+            return False
+        return True
 
     # --------------------------------------------------------------- finish
 
@@ -174,19 +291,24 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
         if self.engine is None:
             return
         for result in self.engine.get_finished():
-            self._engine_jobs.discard(result.job_id)
-            chunks = self._published.pop(result.job_id, None)
-            if chunks is not None:
-                # The copy is complete and visible to the host: tell the other ranks.
-                self.ledger.publish(chunks, int(result.job_id), bool(result.success))
-            self._ready.append(
-                TransferResult(
+            if result.job_id in self._loads:
+                report = self._load_result(result)
+            else:
+                success = self._seal_store(result.job_id, bool(result.success))
+                report = TransferResult(
                     job_id=result.job_id,
-                    success=result.success,
+                    success=success,
                     transfer_size=result.transfer_size,
                     transfer_time=result.transfer_time,
                 )
-            )
+                chunks = self._published.pop(result.job_id, None)
+                if chunks is not None:
+                    # The copy is complete, sealed and visible to the host: tell the
+                    # other ranks (a failed store is published as failed).
+                    self.ledger.publish(chunks, int(result.job_id), success)
+            # Queued before the job leaves the books: an interrupt between loses nothing.
+            self._ready.append(report)
+            self._engine_jobs.discard(result.job_id)
 
     def _collect_replicas(self) -> None:
         now = time.monotonic()

@@ -1,0 +1,322 @@
+"""Chunk verification inside vLLM: keys to the workers, seals checked on promotion,
+bad chunks dropped and kept out of every tier, failures reported to the scheduler.
+
+Where the check lives (one design for every mode that writes this project's rows): each
+worker's page of a host chunk ends with a seal (:mod:`triton_offload.transfer.seal`):
+the page's payload checksum, the chunk's offload key, and digests of the configuration
+and of the worker's row layout. The seal is inside the chunk's bytes, so vLLM's fs, obj
+and p2p tiers store and return it with the chunk without knowing it is there.
+
+- A store is sealed by the worker that copied it, after the copy finished and before
+  the job is reported; a failed store is never sealed and never published.
+- A load is checked by each worker on its own page before the copy starts (payload,
+  key, both digests); a page that fails makes the load fail for that chunk.
+- A chunk promoted from a secondary tier into the host region is checked by the
+  scheduler (which maps the same region) before vLLM's tiering manager makes it a hit:
+  seal, key, configuration digest and payload checksum of every page of the row (the
+  row layout digest is a worker fact; the worker checks it at the load).
+- A chunk that failed is dropped from the host tier and its key is quarantined: the
+  secondary tiers' lookups answer MISS for it, so vLLM's recompute never loops on a bad
+  chunk. A later successful store of the key lifts the quarantine.
+
+This module holds the vLLM glue: the key-carrying host spec, the manager hooks, the
+tier hooks and the worker metadata that carries failures to the scheduler.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Collection, Iterable
+from typing import Any
+
+import numpy as np
+
+from triton_offload.transfer.seal import SEAL_BYTES, SealFormat, digest8, key_digest, seal_problem
+from triton_offload.vllm.compat import logger, supported_vllm_api
+
+with supported_vllm_api():
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+        OffloadingWorkerMetadata,
+    )
+    from vllm.v1.kv_offload.base import LookupResult, OffloadingEvent, OffloadKey
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+    from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+
+#: The extra-config key that turns chunk verification off (on by default).
+VERIFY_KEY = "verify_chunks"
+
+
+class KeyedCPULoadStoreSpec(CPULoadStoreSpec):  # type: ignore[misc]
+    """vLLM's host spec plus the offload key of each chunk id (same order), so a worker
+    can seal a stored chunk with its key and refuse another key's bytes on load."""
+
+    def __init__(self, block_ids: Any, keys: Collection[Any]) -> None:
+        super().__init__(block_ids)
+        self.keys = tuple(bytes(key) for key in keys)
+        if len(self.keys) != len(self.block_ids):
+            raise ValueError(
+                f"KeyedCPULoadStoreSpec: {len(self.keys)} keys for {len(self.block_ids)} chunk ids"
+            )
+
+
+def spec_keys(host_spec: Any) -> tuple[bytes, ...] | None:
+    """The chunk keys a host spec carries (None for vLLM's plain spec)."""
+    return getattr(host_spec, "keys", None)
+
+
+def host_manager(manager: Any) -> Any:
+    """The CPU manager holding the host chunks: the manager itself, or the tiering
+    manager's primary tier (None when neither is vLLM's CPU manager)."""
+    primary = getattr(manager, "primary_tier", manager)
+    return primary if isinstance(primary, CPUOffloadingManager) else None
+
+
+def give_keys_to_specs(manager: Any) -> None:
+    """Make the manager's host specs carry their chunks' keys (stores and loads alike).
+
+    vLLM's CPU manager builds every host spec in ``_get_load_store_spec(keys, chunks)``
+    with the keys at hand and drops them; the instance's method is replaced by one that
+    keeps them.
+    """
+    cpu = host_manager(manager)
+    if cpu is None or getattr(cpu, "_triton_keyed_specs", False):
+        return
+
+    def keyed_spec(keys: Iterable[Any], chunks: Iterable[Any]) -> Any:
+        keys = list(keys)
+        return KeyedCPULoadStoreSpec([chunk.chunk_id for chunk in chunks], keys)
+
+    cpu._get_load_store_spec = keyed_spec
+    cpu._triton_keyed_specs = True
+
+
+def config_description(spec: Any, storage_layout: str) -> str:
+    """What the scheduler and every worker agree a chunk's bytes mean: the storage layout
+    tag, the model, its KV dtype and block geometry (the seal's config digest)."""
+    config = spec.config
+    model = config.model
+    return ";".join(
+        [
+            storage_layout,
+            f"model={getattr(model, 'model', '')}",
+            f"dtype={getattr(model, 'dtype', '')}",
+            f"page={int(spec.cpu_page_size_per_worker)}",
+            f"bpc={int(spec.blocks_per_chunk)}",
+            "groups="
+            + ",".join(f"{g.tokens_per_block}" for g in getattr(config, "groups", ()) or ()),
+        ]
+    )
+
+
+def config_digest(spec: Any, storage_layout: str) -> bytes:
+    return digest8(config_description(spec, storage_layout))
+
+
+@dataclasses.dataclass
+class TritonWorkerMetadata(OffloadingWorkerMetadata):  # type: ignore[misc]
+    """vLLM's worker -> scheduler report plus the jobs that failed on some worker and
+    the keys whose chunks failed verification (summed / merged over workers)."""
+
+    failed_jobs: dict[int, int] = dataclasses.field(default_factory=dict)
+    bad_keys: set[bytes] = dataclasses.field(default_factory=set)
+
+    def mark_failed(self, job_id: int) -> None:
+        self.failed_jobs[job_id] = 1
+
+    def aggregate(self, other: Any) -> Any:
+        merged = OffloadingWorkerMetadata.aggregate(self, other)
+        failed = dict(self.failed_jobs)
+        for job_id, count in getattr(other, "failed_jobs", {}).items():
+            failed[job_id] = failed.get(job_id, 0) + count
+        return TritonWorkerMetadata(
+            completed_jobs=merged.completed_jobs,
+            transfer_stats=merged.transfer_stats,
+            failed_jobs=failed,
+            bad_keys=self.bad_keys | set(getattr(other, "bad_keys", ())),
+        )
+
+
+class ChunkGuard:
+    """The scheduler's side of verification: quarantined keys, dropped chunks, and the
+    check of chunks promoted from secondary tiers.
+
+    ``region_rows``: the host region as uint8 ``[num_chunks, row_stride]`` (None: no
+    promotion check, e.g. vLLM's CPU spec without tiers); ``page_bytes`` and
+    ``page_count``: the pages of a row; ``digest``: the configuration digest.
+    """
+
+    def __init__(
+        self,
+        *,
+        region_rows: np.ndarray | None = None,
+        page_bytes: int = 0,
+        page_count: int = 0,
+        digest: bytes | None = None,
+    ) -> None:
+        self.region_rows = region_rows
+        self.page_bytes = page_bytes
+        self.page_count = page_count
+        self.digest = digest
+        self.quarantined: set[bytes] = set()
+        self._pending_drops: set[bytes] = set()
+        self._logged: set[bytes] = set()
+        self._lock = threading.Lock()
+        self.promotions_refused = 0
+        self.loads_refused = 0
+
+    # ----------------------------------------------------------------- reporting
+
+    def report(self, key: bytes, where: str, problem: str) -> None:
+        """Log a bad chunk once (per key) with where it came from and why."""
+        if key in self._logged:
+            return
+        self._logged.add(key)
+        logger.warning(
+            "triton_offload: chunk %s from %s refused: %s; it is dropped and its tokens "
+            "are recomputed",
+            key.hex(),
+            where,
+            problem,
+        )
+
+    # ---------------------------------------------------------------- quarantine
+
+    def is_quarantined(self, key: Any) -> bool:
+        return bool(self.quarantined) and bytes(key) in self.quarantined
+
+    def release(self, keys: Iterable[Any]) -> None:
+        """Keys stored again successfully: their host copy is fresh, lift the quarantine."""
+        if self.quarantined:
+            with self._lock:
+                self.quarantined.difference_update(bytes(key) for key in keys)
+
+    def quarantine(self, manager: Any, keys: Iterable[bytes]) -> None:
+        """Keep ``keys`` out of every tier's lookups and drop their host chunks (now, or
+        once the loads still reading them finished)."""
+        with self._lock:
+            for key in keys:
+                self.quarantined.add(bytes(key))
+                self._pending_drops.add(bytes(key))
+        self.drop_pending(manager)
+
+    def drop_pending(self, manager: Any) -> None:
+        if self._pending_drops:
+            with self._lock:
+                self._pending_drops = drop_host_chunks(manager, self._pending_drops)
+
+    # ---------------------------------------------------------------- promotions
+
+    def promotion_problem(self, chunk: int, key: bytes) -> str | None:
+        """Why host chunk ``chunk`` (just written by a secondary tier) is not ``key``'s."""
+        if self.region_rows is None or self.digest is None:
+            return None
+        row = self.region_rows[chunk]
+        for page_index in range(self.page_count):
+            start = page_index * self.page_bytes
+            fmt = SealFormat(self.digest, bytes(8), page_index, self.page_count)
+            problem = seal_problem(
+                row[start : start + self.page_bytes], fmt, key_digest(key), check_layout=False
+            )
+            if problem is not None:
+                return f"page {page_index}: {problem}"
+        return None
+
+    def watch_tier(self, manager: Any, tier: Any) -> None:
+        """Check every chunk ``tier`` promotes into the host region before it counts, and
+        answer MISS for quarantined keys in ``tier``'s lookups."""
+        if getattr(tier, "_triton_watched", False):
+            return
+        lookup = tier.lookup
+        get_finished_jobs = tier.get_finished_jobs
+        guard = self
+        miss = LookupResult.MISS
+
+        def guarded_lookup(key: Any, req_context: Any) -> Any:
+            if guard.is_quarantined(key):
+                return miss
+            return lookup(key, req_context)
+
+        def checked_finished_jobs() -> Any:
+            results = list(get_finished_jobs())
+            return [guard._checked_promotion(manager, tier, result) for result in results]
+
+        tier.lookup = guarded_lookup
+        tier.get_finished_jobs = checked_finished_jobs
+        tier._triton_watched = True
+
+    def _checked_promotion(self, manager: Any, tier: Any, result: Any) -> Any:
+        job = manager._jobs.get(result.job_id)
+        if job is None or not job.transfer_job.is_promotion:
+            return result
+        transfer = job.transfer_job
+        keys = list(transfer.keys)
+        if result.success:
+            loaded = keys
+        else:
+            loaded = list(result.successful_keys or ())
+        if not loaded:
+            return result
+        chunk_of = dict(zip(keys, (int(c) for c in transfer.chunk_ids), strict=True))
+        bad: list[bytes] = []
+        for key in loaded:
+            problem = self.promotion_problem(chunk_of[key], bytes(key))
+            if problem is not None:
+                bad.append(bytes(key))
+                self.report(bytes(key), f"secondary tier {tier.tier_type!r}", problem)
+        if not bad:
+            return result
+        self.promotions_refused += len(bad)
+        with self._lock:
+            self.quarantined.update(bad)
+        good = [key for key in loaded if bytes(key) not in set(bad)]
+        return dataclasses.replace(result, success=False, successful_keys=good)
+
+
+def drop_host_chunks(manager: Any, keys: set[bytes]) -> set[bytes]:
+    """Remove ``keys``' ready, unused chunks from the host tier (as an eviction would,
+    with vLLM's removal event); returns the keys still being read (dropped later)."""
+    cpu = host_manager(manager)
+    if cpu is None:
+        return set()
+    waiting: set[bytes] = set()
+    removed = []
+    for key in keys:
+        offload_key = OffloadKey(key)
+        chunk = cpu._policy.get(offload_key)
+        if chunk is None:
+            continue
+        if not chunk.is_ready or chunk.ref_cnt != 0:
+            waiting.add(key)
+            continue
+        cpu._policy.remove(offload_key)
+        cpu._free_chunk(chunk)
+        cpu._num_evictable_cache_chunks -= 1
+        removed.append(offload_key)
+    if removed and cpu.events is not None:
+        cpu.events.append(OffloadingEvent(keys=removed, medium=cpu.medium, removed=True))
+    return waiting
+
+
+def region_rows(memory: memoryview | None, num_chunks: int, row_stride: int) -> np.ndarray | None:
+    """uint8 ``[num_chunks, row_stride]`` over the scheduler's view of the host region."""
+    if memory is None or num_chunks < 1:
+        return None
+    rows = np.asarray(memory).view(np.uint8)
+    return rows.reshape(-1)[: num_chunks * row_stride].reshape(num_chunks, row_stride)
+
+
+__all__ = [
+    "SEAL_BYTES",
+    "VERIFY_KEY",
+    "ChunkGuard",
+    "KeyedCPULoadStoreSpec",
+    "TritonWorkerMetadata",
+    "config_digest",
+    "config_description",
+    "drop_host_chunks",
+    "give_keys_to_specs",
+    "host_manager",
+    "region_rows",
+    "spec_keys",
+]
