@@ -227,9 +227,9 @@ def layout_description(
 
 __all__ = [
     "NO_KEY",
-    "PageSealer",
     "SEAL_BYTES",
     "SEAL_MAGIC",
+    "PageSealer",
     "Seal",
     "SealFormat",
     "digest8",

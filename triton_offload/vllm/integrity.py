@@ -251,10 +251,7 @@ class ChunkGuard:
             return result
         transfer = job.transfer_job
         keys = list(transfer.keys)
-        if result.success:
-            loaded = keys
-        else:
-            loaded = list(result.successful_keys or ())
+        loaded = keys if result.success else list(result.successful_keys or ())
         if not loaded:
             return result
         chunk_of = dict(zip(keys, (int(c) for c in transfer.chunk_ids), strict=True))
@@ -312,8 +309,8 @@ __all__ = [
     "ChunkGuard",
     "KeyedCPULoadStoreSpec",
     "TritonWorkerMetadata",
-    "config_digest",
     "config_description",
+    "config_digest",
     "drop_host_chunks",
     "give_keys_to_specs",
     "host_manager",
