@@ -36,6 +36,7 @@ from triton_offload.vllm.compat import (
     logger,
     supported_vllm_api,
 )
+from triton_offload.vllm.integrity import ChunkGuard, TritonWorkerMetadata
 from triton_offload.vllm.planning import (
     PLANNED_LOOKUPS,
     LazyPresence,
@@ -53,10 +54,13 @@ with supported_vllm_api():
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
         OffloadingConnectorScheduler,
     )
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
+        OffloadingConnectorWorker,
+    )
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
         OffloadingConnector,
     )
-    from vllm.v1.kv_offload.base import LookupResult
+    from vllm.v1.kv_offload.base import LookupResult, TransferResult
 
 
 class _LookupMemo:
@@ -64,15 +68,66 @@ class _LookupMemo:
     its answer kept, so vLLM's scan and the planner after it share them. Everything but
     ``lookup`` goes to the manager itself."""
 
-    def __init__(self, manager: Any) -> None:
+    def __init__(
+        self, manager: Any, guard: ChunkGuard | None = None, excluded: Any = frozenset()
+    ) -> None:
         self.manager = manager
         self._answers: dict[Any, Any] = {}
+        self._guard = guard
+        self._excluded = excluded
 
     def lookup(self, key: Any, req_context: Any) -> Any:
         answer = self._answers.get(key)
         if answer is None:
-            answer = self._answers[key] = self.manager.lookup(key, req_context)
+            if key in self._excluded or (
+                self._guard is not None and self._guard.is_quarantined(key)
+            ):
+                # A chunk that failed to load (for this request) or to verify (for
+                # everyone) is a miss: recomputing must not load it again.
+                answer = LookupResult.MISS
+            else:
+                answer = self.manager.lookup(key, req_context)
+            self._answers[key] = answer
         return answer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.manager, name)
+
+
+class _CompletionHook:
+    """The manager as vLLM's completion code sees it for one worker report: a failed
+    store completes with ``success=False`` (its keys released, never published), a
+    failed load keeps its keys out of the request's next lookup; a good store lifts a
+    quarantine. Everything else goes to the manager."""
+
+    def __init__(self, manager: Any, scheduler: Any, failing: dict[int, Any]) -> None:
+        self.manager = manager
+        self._scheduler = scheduler
+        self._failing = failing
+
+    def complete_store(self, keys: Any, req_context: Any, success: bool = True) -> None:
+        job = self._failing.get(id(keys))
+        if job is not None:
+            success = False
+            self._scheduler.triton_failed_stores += 1
+            logger.warning(
+                "%s: store of %d chunks for request %s failed on a worker; nothing of it "
+                "is published, its keys are free for a later store",
+                CONNECTOR_NAME,
+                len(keys),
+                job.req_id,
+            )
+        self.manager.complete_store(keys, req_context, success)
+        if success:
+            self._scheduler.triton_guard.release(keys)
+
+    def complete_load(self, keys: Any, req_context: Any) -> None:
+        self.manager.complete_load(keys, req_context)
+        job = self._failing.get(id(keys))
+        if job is not None:
+            self._scheduler.triton_failed_loads += 1
+            excluded = self._scheduler._triton_excluded.setdefault(job.req_id, set())
+            excluded.update(keys)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.manager, name)
@@ -122,6 +177,59 @@ class TritonOffloadingConnectorScheduler(OffloadingConnectorScheduler):  # type:
         # vLLM returns 0 when a hit adds fewer tokens than some group's chunk: every
         # group is visited, so the smallest hit it loads is the largest chunk.
         self._triton_min_load = max((g.tokens_per_chunk for g in plan.groups), default=0)
+        # This backend's specs put a ChunkGuard on their manager (quarantine shared with
+        # the tier hooks); another spec's manager gets one here (quarantine and drops).
+        guard = getattr(self.manager, "triton_guard", None)
+        self.triton_guard: ChunkGuard = guard if guard is not None else ChunkGuard()
+        self._triton_failed_jobs: set[int] = set()
+        # Request id -> keys whose load failed for it: misses when it looks up again.
+        self._triton_excluded: dict[str, set[Any]] = {}
+        self.triton_failed_loads = 0
+        self.triton_failed_stores = 0
+
+    # ---------------------------------------------------------------- failures
+
+    def _reserve_sync_load(self, req_status: Any, num_computed_tokens: int, hits: Any) -> bool:
+        if len(self.config.kv_group_configs) > 1:
+            # A sync load's failure can only be reported by block id, which vLLM's
+            # scheduler refuses with several groups (ids are unique per group only): a
+            # hybrid model's loads are asynchronous, their failures reported per request.
+            self._current_batch_sync_loads.discard(req_status.req.request_id)
+            return False
+        return bool(super()._reserve_sync_load(req_status, num_computed_tokens, hits))
+
+    def _update_connector_output(self, connector_output: Any) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        failed = getattr(meta, "failed_jobs", None) or {}
+        bad_keys = getattr(meta, "bad_keys", None) or set()
+        self._triton_failed_jobs.update(
+            job_id for job_id in failed if job_id >= self._stale_job_threshold
+        )
+        # The failed jobs vLLM may complete in this call, by the identity of their key
+        # lists (vLLM passes job_status.keys itself to complete_store / complete_load).
+        failing = {
+            id(self._jobs[job_id].keys): self._jobs[job_id]
+            for job_id in self._triton_failed_jobs
+            if job_id in self._jobs
+        }
+        proxy = _CompletionHook(self.manager, self, failing)
+        self.manager = proxy
+        try:
+            super()._update_connector_output(connector_output)
+        finally:
+            self.manager = proxy.manager
+        self._triton_failed_jobs.intersection_update(self._jobs)
+        guard = self.triton_guard
+        if bad_keys:
+            for key in bad_keys:
+                guard.report(bytes(key), "the host region", "its seal did not verify on a worker")
+            guard.quarantine(self.manager, bad_keys)
+        else:
+            guard.drop_pending(self.manager)
+
+    def request_finished(self, request: Any) -> Any:
+        self._triton_excluded.pop(request.request_id, None)
+        return super().request_finished(request)
 
     def _lookup_complete_chunks(
         self, req_status: Any, max_num_new_tokens: int | None = None
@@ -129,7 +237,11 @@ class TritonOffloadingConnectorScheduler(OffloadingConnectorScheduler):  # type:
         # One lookup asks the manager once per key: vLLM's scan (which may revisit a
         # key while groups cut the hit) and the planner after it share the answers. With
         # the tiering manager a lookup can start a promotion, so a second ask is not free.
-        memo = _LookupMemo(self.manager)
+        memo = _LookupMemo(
+            self.manager,
+            self.triton_guard,
+            self._triton_excluded.get(req_status.req.request_id, frozenset()),
+        )
         self.manager = memo
         try:
             return self._planned_lookup(req_status, max_num_new_tokens, memo)
@@ -215,6 +327,151 @@ class TritonOffloadingConnectorScheduler(OffloadingConnectorScheduler):  # type:
         return False
 
 
+def _blocks_by_group(gpu_spec: Any) -> tuple[tuple[int, ...], ...]:
+    """A GPU spec's block ids per group (vLLM orders them by group)."""
+    ids = [int(b) for b in gpu_spec.block_ids]
+    sizes = list(getattr(gpu_spec, "group_sizes", None) or [len(ids)])
+    groups, start = [], 0
+    for size in sizes:
+        groups.append(tuple(ids[start : start + int(size)]))
+        start += int(size)
+    return tuple(groups)
+
+
+class _FailSoftWorker:
+    """The offloading worker as vLLM's connector worker calls it: a submit that raises
+    or is refused becomes a failed job reported by ``get_finished`` (vLLM asserts every
+    submit), and each load's GPU blocks are kept to name what did not load."""
+
+    def __init__(self, worker: Any) -> None:
+        self.worker = worker
+        self.load_blocks: dict[int, tuple[tuple[int, ...], ...]] = {}
+        self._refused: list[Any] = []
+
+    def _submit(self, what: str, job_id: int, call: Any) -> bool:
+        try:
+            accepted = bool(call())
+        except Exception:  # a job that cannot run fails; the engine keeps serving
+            logger.exception("%s: %s job %r could not be submitted", CONNECTOR_NAME, what, job_id)
+            accepted = False
+        if not accepted:
+            self._refused.append(TransferResult(job_id, False, 0, 0.0))
+        return True
+
+    def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
+        return self._submit(
+            "store", job_id, lambda: self.worker.submit_store(job_id, src_spec, dst_spec)
+        )
+
+    def submit_load(
+        self, job_id: int, src_spec: Any, dst_spec: Any, expedited: bool = False
+    ) -> bool:
+        self.load_blocks[job_id] = _blocks_by_group(dst_spec)
+        return self._submit(
+            "load",
+            job_id,
+            lambda: self.worker.submit_load(job_id, src_spec, dst_spec, expedited=expedited),
+        )
+
+    def get_finished(self) -> list[Any]:
+        results, self._refused = self._refused + list(self.worker.get_finished()), []
+        return results
+
+    def wait(self, job_ids: Any) -> None:
+        refused = {result.job_id for result in self._refused}
+        self.worker.wait({job_id for job_id in job_ids if job_id not in refused})
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.worker, name)
+
+
+class TritonOffloadingConnectorWorker(OffloadingConnectorWorker):  # type: ignore[misc]
+    """vLLM's connector worker that reports failed transfers instead of asserting.
+
+    vLLM 0.33's worker asserts that every submit is accepted and every job succeeds.
+    Here a failed load names its GPU blocks: with one cache group they are reported by
+    ``get_block_ids_with_load_errors`` (vLLM's ``kv_load_failure_policy`` recomputes
+    from the first of them, or fails the request), with several groups the request is
+    reported in ``failed_recving`` (vLLM refuses block ids that are unique per group
+    only). A failed store is reported to the scheduler, which completes it unpublished.
+    Keys whose chunks failed verification go to the scheduler to be dropped.
+    """
+
+    def _triton_setup(self, num_groups: int) -> None:
+        self.triton_num_groups = num_groups
+        self._connector_worker_meta = TritonWorkerMetadata()
+        self._triton_load_errors: set[int] = set()
+        self._triton_failed_recving: set[str] = set()
+
+    def _init_worker(self, kv_caches: Any) -> None:
+        super()._init_worker(kv_caches)
+        self.worker = _FailSoftWorker(self.worker)
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._triton_load_errors = self._triton_load_errors, set()
+        return errors
+
+    def take_failed_recving(self) -> set[str]:
+        failed, self._triton_failed_recving = self._triton_failed_recving, set()
+        return failed
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        assert self.worker is not None
+        meta = self._connector_worker_meta
+        finished_recving: set[str] = set()
+        for result in self.worker.get_finished():
+            job_id = result.job_id
+            is_load = job_id in self._load_jobs
+            if result.success and result.transfer_size is not None:
+                stats = meta.transfer_stats.load if is_load else meta.transfer_stats.store
+                stats.record(result.transfer_size, result.transfer_time or 0.0)
+            if not result.success:
+                meta.mark_failed(job_id)
+            meta.mark_completed(job_id)
+            req_id = self._load_jobs.pop(job_id, None)
+            blocks = self.worker.load_blocks.pop(job_id, ())
+            if is_load and not result.success:
+                self._load_failed(result, req_id, blocks)
+            if req_id is not None:
+                finished_recving.add(req_id)
+        return set(), finished_recving
+
+    def _load_failed(self, result: Any, req_id: str | None, blocks: Any) -> None:
+        failed = getattr(result, "failed_blocks", ()) or blocks
+        bad_keys = getattr(result, "bad_keys", ())
+        self._connector_worker_meta.bad_keys.update(bad_keys)
+        logger.warning(
+            "%s: load job %r%s failed (%s): %d GPU blocks not loaded, vLLM's "
+            "kv_load_failure_policy decides (recompute or fail)",
+            CONNECTOR_NAME,
+            result.job_id,
+            "" if req_id is None else f" of request {req_id}",
+            getattr(result, "problem", "") or "the copy failed",
+            sum(len(group) for group in failed),
+        )
+        if self.triton_num_groups == 1:
+            self._triton_load_errors.update(int(b) for b in failed[0])
+        elif req_id is not None:
+            self._triton_failed_recving.add(req_id)
+        else:
+            # Not reached: the scheduler gives hybrid models no sync loads.
+            logger.error(
+                "%s: a sync load of a model with %d groups failed; vLLM has no way to "
+                "hear of it per request",
+                CONNECTOR_NAME,
+                self.triton_num_groups,
+            )
+
+    def build_connector_worker_meta(self) -> Any:
+        if not self._connector_worker_meta.completed_jobs:
+            return None
+        meta, self._connector_worker_meta = self._connector_worker_meta, TritonWorkerMetadata()
+        return meta
+
+
 class TritonOffloadingConnector(OffloadingConnector):  # type: ignore[misc]
     """vLLM's ``OffloadingConnector`` with spans cross-checked and planned lookups.
 
@@ -280,6 +537,10 @@ class TritonOffloadingConnector(OffloadingConnector):  # type: ignore[misc]
                 else "",
             )
         else:
+            worker = self.connector_worker
+            if worker is not None:
+                worker.__class__ = TritonOffloadingConnectorWorker
+                worker._triton_setup(len(plan.groups))
             logger.info(
                 "%s (triton_offload): worker spans %s tokens per block match vLLM's "
                 "OffloadingConfig",
@@ -287,5 +548,26 @@ class TritonOffloadingConnector(OffloadingConnector):  # type: ignore[misc]
                 [g.tokens_per_block for g in plan.groups],
             )
 
+    # ------------------------------------------------------------ load failures
 
-__all__ = ["TritonOffloadingConnector", "TritonOffloadingConnectorScheduler"]
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """GPU blocks whose load failed (one cache group; vLLM's policy recomputes them
+        or fails their requests)."""
+        worker = self.connector_worker
+        if isinstance(worker, TritonOffloadingConnectorWorker):
+            return worker.take_load_errors()
+        return set()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        results = super().get_transfer_results(finished_req_ids)
+        worker = self.connector_worker
+        if isinstance(worker, TritonOffloadingConnectorWorker):
+            results.failed_recving |= worker.take_failed_recving()
+        return results
+
+
+__all__ = [
+    "TritonOffloadingConnector",
+    "TritonOffloadingConnectorScheduler",
+    "TritonOffloadingConnectorWorker",
+]
