@@ -252,6 +252,14 @@ class ChunkGuard:
         transfer = job.transfer_job
         keys = list(transfer.keys)
         loaded = keys if result.success else list(result.successful_keys or ())
+        unread = [bytes(key) for key in keys if key not in set(loaded)]
+        if unread:
+            # The tier could not read them (a short file, a peer gone): its lookup would
+            # offer them again at once, and a request waiting on them would loop.
+            for key in unread:
+                self.report(key, f"secondary tier {tier.tier_type!r}", "the tier failed to read it")
+            with self._lock:
+                self.quarantined.update(unread)
         if not loaded:
             return result
         chunk_of = dict(zip(keys, (int(c) for c in transfer.chunk_ids), strict=True))

@@ -1,0 +1,278 @@
+"""Verified chunks under vLLM's tiering manager and its real ``fs`` tier (CPU).
+
+A sealed store writes the chunk's bytes and its seal and nothing else; a chunk
+promoted from fs is checked before it counts: a file flipped, cut short, emptied,
+replaced by garbage, by another key's valid file or by another layout's file is
+refused at the promotion (never a HIT), logged once with the tier and key, and the
+key is quarantined (later lookups miss instead of promoting it again). A good file
+still promotes and loads byte-exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+try:
+    from vllm.v1.kv_offload.base import (
+        CanonicalKVCacheRef,
+        CanonicalKVCaches,
+        CanonicalKVCacheTensor,
+        GPULoadStoreSpec,
+        LookupResult,
+        ReqContext,
+        make_offload_key,
+    )
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+except ImportError as error:  # pragma: no cover - exercised where vllm is absent
+    pytest.skip(f"vllm cannot be imported: {error}", allow_module_level=True)
+
+from test_vllm_tiering import TIMEOUT_S, _finish, _settle, make_config
+
+from triton_offload.transfer.seal import SEAL_BYTES
+
+PLANE = 512  # bytes per block per plane: a chunk's payload is 2 planes x 2 blocks x 512
+PAYLOAD = 2 * 2 * PLANE
+PAGE = 4096  # payload + seal, rounded up to the OS page by vLLM's spec
+NUM_BLOCKS = 16
+
+
+class Tiered:
+    """A sealed TritonTieringOffloadingSpec: vLLM's manager and fs tier, this worker."""
+
+    def __init__(self, root: Path, num_chunks: int = 3, fused: bool = False, **extra: Any) -> None:
+        base = make_config(root)
+        config = dataclasses.replace(
+            base,
+            worker_kv_bytes_per_block=2 * PLANE,
+            extra_config={
+                **base.extra_config,
+                "verify_chunks": True,
+                "cpu_bytes_to_use": num_chunks * PAGE,
+                **extra,
+            },
+        )
+        self.spec = OffloadingSpecFactory.create_spec(config)
+        assert self.spec.num_chunks == num_chunks
+        assert self.spec.cpu_page_size_per_worker == PAYLOAD + SEAL_BYTES
+        self.manager = self.spec.get_manager()
+        generator = torch.Generator().manual_seed(11)
+        self.planes = [
+            torch.randint(-128, 128, (NUM_BLOCKS, PLANE), dtype=torch.int8, generator=generator)
+            for _ in range(2)
+        ]
+        if fused:
+            # K and V as one plane of both pages: the same bytes per block, another row.
+            fused_plane = torch.cat(self.planes, dim=1)
+            caches = CanonicalKVCaches(
+                tensors=[CanonicalKVCacheTensor(fused_plane, 2 * PLANE)],
+                group_data_refs=[[CanonicalKVCacheRef(0, 2 * PLANE)]],
+            )
+        else:
+            caches = CanonicalKVCaches(
+                tensors=[CanonicalKVCacheTensor(p, PLANE) for p in self.planes],
+                group_data_refs=[[CanonicalKVCacheRef(0, PLANE), CanonicalKVCacheRef(1, PLANE)]],
+            )
+        self.worker = self.spec.get_worker(caches)
+        self.rows = torch.frombuffer(
+            self.manager.primary_tier.get_kv_memoryview(), dtype=torch.uint8
+        )
+        self.rows = self.rows.view(num_chunks, PAGE)
+        self.fs = self.manager.secondary_tiers[0]
+        self.context = ReqContext(req_id="request")
+        self.manager.on_new_request(self.context)
+        self.job = 0
+
+    def close(self) -> None:
+        del self.rows
+        self.worker.shutdown()
+        self.manager.shutdown()
+
+    def store(self, keys: list[Any], blocks: list[int]) -> list[int]:
+        out = self.manager.prepare_store(keys, self.context)
+        assert out is not None and out.keys_to_store == keys
+        self.job += 1
+        spec = GPULoadStoreSpec(blocks, [len(blocks)], [0])
+        assert self.worker.submit_store(self.job, spec, out.store_spec)
+        _finish(self.worker, self.job)
+        self.manager.complete_store(keys, self.context)
+        _settle(self.manager)
+        return [int(r) for r in out.store_spec.block_ids]
+
+    def lookup_until_settled(self, key: Any) -> list[Any]:
+        """Look ``key`` up until it is a HIT or a MISS (promotions run in between)."""
+        seen = []
+        deadline = time.monotonic() + TIMEOUT_S
+        while True:
+            result = self.manager.lookup(key, self.context)
+            seen.append(result)
+            if result in (LookupResult.HIT, LookupResult.MISS):
+                return seen
+            assert time.monotonic() < deadline, f"lookup did not settle: {seen}"
+            _settle(self.manager)
+
+    def file(self, key: Any) -> str:
+        return self.fs.file_mapper.get_file_name(key)
+
+
+@pytest.fixture
+def tiered(tmp_path: Path) -> Any:
+    made = Tiered(tmp_path / "fs")
+    yield made
+    made.close()
+
+
+def key(index: int) -> Any:
+    return make_offload_key(f"chunk-{index}".encode(), 0)
+
+
+def test_a_sealed_store_writes_the_chunk_and_its_seal_only(tiered: Tiered) -> None:
+    tiered.rows[:] = 0xA5  # poisoned: bytes the store must leave alone stay 0xA5
+    (row,) = tiered.store([key(0)], [3, 8])
+    p0, p1 = tiered.planes
+    payload = torch.cat([p0[3], p0[8], p1[3], p1[8]]).view(torch.uint8)
+    assert torch.equal(tiered.rows[row, :PAYLOAD], payload)
+    # The seal is the last 64 bytes of the worker's page (payload + 64 bytes here).
+    page_end = tiered.spec.cpu_page_size_per_worker
+    assert page_end == PAYLOAD + SEAL_BYTES
+    assert bytes(tiered.rows[row, PAYLOAD : PAYLOAD + 8].numpy()) == b"TOSEAL\x00\x01"
+    # Nothing else changed: the rest of the row and every other row keep the poison.
+    assert torch.all(tiered.rows[row, page_end:] == 0xA5)
+    assert all(torch.all(tiered.rows[r] == 0xA5) for r in range(3) if r != row)
+
+
+def _evict_to_fs(tiered: Tiered) -> None:
+    """Store chunks 0 and 1 (cascaded to fs), then evict both CPU copies."""
+    tiered.store([key(0)], [3, 8])
+    tiered.store([key(1)], [4, 9])
+    assert os.path.exists(tiered.file(key(0))) and os.path.exists(tiered.file(key(1)))
+    tiered.store([key(2), key(3), key(4)], [0, 1, 5, 6, 10, 11])
+    for k in (key(0), key(1)):
+        assert tiered.manager.primary_tier.lookup(k, tiered.context) is LookupResult.MISS
+
+
+def _tamper(tiered: Tiered, how: str, tmp_path: Path) -> None:
+    path = tiered.file(key(0))
+    data = Path(path).read_bytes()
+    if how == "flipped byte":
+        changed = bytearray(data)
+        changed[100] ^= 0x01
+        Path(path).write_bytes(bytes(changed))
+    elif how == "truncated":
+        Path(path).write_bytes(data[: len(data) // 2])
+    elif how == "zero-length":
+        Path(path).write_bytes(b"")
+    elif how == "same-size garbage":
+        Path(path).write_bytes(os.urandom(len(data)))
+    elif how == "another key's file":
+        shutil.copyfile(tiered.file(key(1)), path)
+    else:  # pragma: no cover
+        raise AssertionError(how)
+
+
+FAULTS = [
+    "flipped byte",
+    "truncated",
+    "zero-length",
+    "same-size garbage",
+    "another key's file",
+]
+
+
+@pytest.mark.parametrize("how", FAULTS)
+def test_a_bad_fs_file_is_refused_at_promotion_and_quarantined(
+    tiered: Tiered, how: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    _evict_to_fs(tiered)
+    _tamper(tiered, how, tmp_path)
+    with caplog.at_level("WARNING", logger="vllm.triton_offload"):
+        seen = tiered.lookup_until_settled(key(0))
+    assert seen[-1] is LookupResult.MISS
+    guard = tiered.manager.triton_guard
+    assert bytes(key(0)) in guard.quarantined
+    # Looked up again: a miss at once, no second promotion of the bad file.
+    assert tiered.lookup_until_settled(key(0)) == [LookupResult.MISS]
+    if how not in ("truncated", "zero-length"):  # the fs tier itself fails those reads
+        assert guard.promotions_refused == 1
+    assert "secondary tier 'fs'" in caplog.text and bytes(key(0)).hex() in caplog.text
+    # The good neighbour still promotes and loads byte-exactly.
+    assert tiered.lookup_until_settled(key(1))[-1] is LookupResult.HIT
+    for plane in tiered.planes:
+        plane[[12, 13]] = 0x55
+    expected = [p.clone() for p in tiered.planes]
+    for plane in expected:
+        plane[12], plane[13] = plane[4].clone(), plane[9].clone()
+    load = tiered.manager.prepare_load([key(1)], tiered.context)
+    tiered.job += 1
+    assert tiered.worker.submit_load(tiered.job, load, GPULoadStoreSpec([12, 13], [2], [0]))
+    _finish(tiered.worker, tiered.job)
+    tiered.manager.complete_load([key(1)], tiered.context)
+    for actual, wanted in zip(tiered.planes, expected, strict=True):
+        assert torch.equal(actual, wanted)
+
+
+def test_a_chunk_of_another_row_layout_is_refused_at_the_load(tmp_path: Path) -> None:
+    """K/V fused into one plane vs split into two: same config, same fs folder, other
+    row bytes. The promotion passes (the scheduler cannot know the worker's planes), the
+    worker's check of the layout digest refuses the load."""
+    fused, split = Tiered(tmp_path / "fs", fused=True), Tiered(tmp_path / "fs")
+    try:
+        fused.store([key(0)], [3, 8])
+        assert os.path.exists(split.file(key(0)))  # one folder for both
+        assert split.lookup_until_settled(key(0))[-1] is LookupResult.HIT
+        load = split.manager.prepare_load([key(0)], split.context)
+        assert split.worker.submit_load(7, load, GPULoadStoreSpec([12, 13], [2], [0]))
+        split.worker.wait({7})
+        (result,) = split.worker.get_finished()
+        assert not result.success and "row layout" in result.problem
+        assert result.failed_blocks == ((12, 13),)
+    finally:
+        split.close()
+        fused.close()
+
+
+def test_a_good_fs_file_promotes_and_loads(tiered: Tiered) -> None:
+    _evict_to_fs(tiered)
+    seen = tiered.lookup_until_settled(key(0))
+    assert LookupResult.HIT_PENDING in seen and seen[-1] is LookupResult.HIT
+    assert tiered.manager.triton_guard.promotions_refused == 0
+
+
+def test_a_flipped_host_byte_fails_the_load_before_any_byte_moves(tiered: Tiered) -> None:
+    (row,) = tiered.store([key(0)], [3, 8])
+    tiered.rows[row, 17] ^= 0x80
+    for plane in tiered.planes:
+        plane[[12, 13]] = 0x55
+    before = [p.clone() for p in tiered.planes]
+    load = tiered.manager.prepare_load([key(0)], tiered.context)
+    assert tiered.worker.submit_load(99, load, GPULoadStoreSpec([12, 13], [2], [0]))
+    tiered.worker.wait({99})
+    (result,) = tiered.worker.get_finished()
+    assert (result.job_id, result.success) == (99, False)
+    assert result.failed_blocks == ((12, 13),)
+    assert result.bad_keys == (bytes(key(0)),)
+    assert "payload checksum" in result.problem
+    del before
+
+
+def test_verification_off_gives_vllms_own_row_size(tmp_path: Path) -> None:
+    base = make_config(tmp_path)
+    config = dataclasses.replace(
+        base,
+        worker_kv_bytes_per_block=2 * PLANE,
+        extra_config={**base.extra_config, "verify_chunks": False, "cpu_bytes_to_use": PAGE},
+    )
+    spec = OffloadingSpecFactory.create_spec(config)
+    assert spec.cpu_page_size_per_worker == PAYLOAD
+    assert not spec.sealed_pages
+    with pytest.raises(ValueError, match=r"\['verify_chunks'\] must be true or false, got 'no'"):
+        OffloadingSpecFactory.create_spec(
+            dataclasses.replace(config, extra_config={**config.extra_config, "verify_chunks": "no"})
+        )
