@@ -256,6 +256,7 @@ cuda_test_files=(
   "tests/test_kernel_specialization.py 25 20"
   "tests/test_bench_cuda.py 40 0"
   "bench/suites/bench_kernel_tables.py 20 15"
+  "bench/suites/bench_seal.py 25 20"
 )
 if [ -n "${GPU_CHECK_TEST_FILES:-}" ]; then
   # Entries "FILE CAP PER_TEST" separated by ';' (tests/test_gpu_check.py hangs one).

@@ -13,9 +13,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm cannot be imported")
 
-from test_vllm_load_failures import PROMPT, Engine, assert_prompt_kv, prompt  # noqa: E402
+from test_vllm_load_failures import PROMPT, Engine, assert_prompt_kv, prompt
 
-from triton_offload.transfer import cpu_copy  # noqa: E402
+from triton_offload.transfer import cpu_copy
 
 
 @pytest.fixture

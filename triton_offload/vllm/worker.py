@@ -228,9 +228,14 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
         any byte moves: (group, index in group, key, problem)."""
         assert self.sealer is not None
         bad = []
-        for group, index, chunk, key in _chunk_entries(job, keys):
-            digest = None if key is None else key_digest(key)
-            problem = self.sealer.problem(chunk, group, digest)
+        entries = _chunk_entries(job, keys)
+        problems = self.sealer.problems(
+            [
+                (chunk, group, None if key is None else key_digest(key))
+                for group, _, chunk, key in entries
+            ]
+        )
+        for (group, index, chunk, key), problem in zip(entries, problems, strict=True):
             if problem is not None:
                 bad.append((group, index, key, problem))
                 logger.warning(
@@ -278,8 +283,7 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
             return success
         assert self.sealer is not None
         try:
-            for chunk, group, digest in entries:
-                self.sealer.seal(chunk, group, digest)
+            self.sealer.seal_all(entries)
         except Exception:  # an unsealed store is a failed store, never a crash
             logger.exception("triton_offload: sealing store job %r failed", job_id)
             return False
