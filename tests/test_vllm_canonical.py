@@ -332,3 +332,155 @@ def test_a_store_of_one_writer_leaves_the_other_writers_pages_poisoned() -> None
                 torch.full((page,), POISON, dtype=torch.uint8),
             )
             assert written == ((row * BPC + slot) % 2 == 1), (row, slot)
+
+
+# ------------------------------------------------------------------ the spec
+
+
+def _tiering_config(spec_name: str, rank: int, engine_id: str, **changes: Any) -> Any:
+    import dataclasses
+
+    from test_vllm_tiering import _parallel, make_config
+    from vllm.v1.kv_offload.config import OffloadingCacheConfig, OffloadingGroupConfig
+
+    geometry = GEOMETRIES[1]  # hnd-tp2
+    page = 2 * geometry.block_size * 2 * geometry.head_size * 2  # heads x bs x 2 hs x bf16
+    base = make_config(
+        __import__("pathlib").Path("/nonexistent"),
+        spec_name,
+        tiers=[],
+        parallel=dataclasses.replace(_parallel(geometry.tp, agnostic=True), rank=rank),
+        canonical_layout=True,
+        kv_cache_layout="LBHNC",
+        worker_kv_bytes_per_block=geometry.layers * page,
+        engine_id=engine_id,
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=BPC),
+        groups=(
+            OffloadingGroupConfig(
+                tokens_per_block=geometry.block_size,
+                layer_names=tuple(f"g0.layer{i}" for i in range(geometry.layers)),
+                group_id=0,
+            ),
+        ),
+        **changes,
+    )
+    extra = {**base.extra_config, "cpu_bytes_to_use": CHUNKS * 4096, "backend": "torch"}
+    extra.update(canonical_layout=True)
+    return dataclasses.replace(base, extra_config=extra)
+
+
+def test_tiering_spec_with_canonical_layout_stores_stock_vllms_rows() -> None:
+    """Two ranks' workers store into one region; its rows equal what vLLM's stock tiering
+    worker writes (its descriptors replayed: its CUDA worker cannot run on CPU) into rows
+    of the stock spec's own stride, and a load brings the blocks back."""
+    import uuid
+
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    geometry = GEOMETRIES[1]
+    engine_id = f"canonical-{uuid.uuid4()}"
+    stock = OffloadingSpecFactory.create_spec(
+        _tiering_config("TieringOffloadingSpec", 0, engine_id)
+    )
+    specs = [
+        OffloadingSpecFactory.create_spec(
+            _tiering_config("TritonTieringOffloadingSpec", rank, engine_id)
+        )
+        for rank in range(geometry.world)
+    ]
+    assert all(spec.stock_rows and spec.storage_layout is None for spec in specs)
+    assert specs[0].config.model.dtype == stock.config.model.dtype == "bfloat16"
+    stride = stock.kv_bytes_per_chunk
+    assert specs[0].kv_bytes_per_chunk == stride and specs[0].num_chunks == stock.num_chunks
+    ranks = [vllm_canonical_caches(geometry, rank, seed=rank) for rank in range(geometry.world)]
+    workers = [spec.get_worker(kv) for spec, (kv, _) in zip(specs, ranks, strict=True)]
+    try:
+        rows = workers[0].region.base_tensor.view(torch.uint8).view(stock.num_chunks, stride)
+        rows.fill_(POISON)
+        judge = torch.full((stock.num_chunks * stride,), POISON, dtype=torch.uint8)
+        judge_rows = judge.view(stock.num_chunks, stride)
+        store, load = job_for(geometry, seed=9)
+        (blocks,), (hosts,), (first,) = store.gpu_blocks, store.host_blocks, store.first_block_index
+        gpu_spec = GPULoadStoreSpec(blocks.tolist(), [blocks.size], [first])
+        for rank, worker in enumerate(workers):
+            assert worker.submit_store(rank, gpu_spec, CPULoadStoreSpec(hosts.tolist()))
+            worker.wait({rank})
+            assert [(r.job_id, r.success) for r in worker.get_finished()] == [(rank, True)]
+            area = judge_rows[:, : workers[0].engine.row_bytes]
+            vllm_replay(ranks[rank][0], area, store, store=True)
+            assert torch.equal(rows, judge_rows)
+        (blocks,), (hosts,), (first,) = load.gpu_blocks, load.host_blocks, load.first_block_index
+        for rank, (worker, (kv_caches, tensors)) in enumerate(zip(workers, ranks, strict=True)):
+            for tensor in tensors:
+                tensor.view(torch.int16).fill_(-1)
+            vllm_replay(kv_caches, judge_rows[:, : worker.engine.row_bytes], load, store=False)
+            expected = [t.tensor.clone() for t in kv_caches.tensors]
+            for tensor in tensors:
+                tensor.view(torch.int16).fill_(-1)
+            spec = GPULoadStoreSpec(blocks.tolist(), [blocks.size], [first])
+            assert worker.submit_load(10 + rank, CPULoadStoreSpec(hosts.tolist()), spec)
+            worker.wait({10 + rank})
+            assert [r.success for r in worker.get_finished()] == [True]
+            assert all(
+                torch.equal(t.tensor, e) for t, e in zip(kv_caches.tensors, expected, strict=True)
+            )
+        del rows
+    finally:
+        for worker in workers:
+            worker.shutdown()
+
+
+def test_canonical_storage_names_are_stock_vllms_and_kvcr_is_accepted() -> None:
+    import uuid
+
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+    from vllm.v1.kv_offload.file_mapper import FileMapper
+
+    engine_id = f"canonical-{uuid.uuid4()}"
+    stock = OffloadingSpecFactory.create_spec(
+        _tiering_config("TieringOffloadingSpec", 0, engine_id)
+    )
+    ours = OffloadingSpecFactory.create_spec(
+        _tiering_config("TritonTieringOffloadingSpec", 0, engine_id)
+    )
+    paths = [
+        FileMapper.from_offloading_spec("/tmp/x", spec, 3, parallel_agnostic=True).base_path
+        for spec in (stock, ours)
+    ]
+    assert paths[0] == paths[1]
+    tiers = [{"type": "kvcr", "control_ports": [1]}]
+    config = _tiering_config("TritonTieringOffloadingSpec", 0, engine_id)
+    import dataclasses
+
+    config = dataclasses.replace(
+        config, extra_config={**config.extra_config, "secondary_tiers": tiers}
+    )
+    assert OffloadingSpecFactory.create_spec(config).stock_rows
+    cpu = _tiering_config("TritonOffloadingSpec", 0, engine_id)
+    with pytest.raises(
+        ValueError, match="canonical_layout'\\] is not supported by TritonOffloadingSpec"
+    ):
+        OffloadingSpecFactory.create_spec(cpu)
+
+
+def test_a_ref_without_mapping_fails_closed_naming_the_layer() -> None:
+    import dataclasses
+    import uuid
+
+    from triton_offload.vllm.canonical import canonical_cache_layout
+
+    kv_caches, _ = vllm_canonical_caches(GEOMETRIES[1], rank=0, seed=1)
+    kv_caches.group_data_refs[0][1] = dataclasses.replace(
+        kv_caches.group_data_refs[0][1], mapping=None
+    )
+    with pytest.raises(ValueError, match=r"layer 'g0\.layer1'.*no canonical mapping.*pipeline"):
+        canonical_cache_layout(kv_caches, BPC, layer_names=[["g0.layer0", "g0.layer1"]])
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    spec = OffloadingSpecFactory.create_spec(
+        _tiering_config("TritonTieringOffloadingSpec", 0, f"canonical-{uuid.uuid4()}")
+    )
+    with pytest.raises(ValueError, match=r"layer 'g0\.layer1'.*no canonical mapping"):
+        spec.get_worker(kv_caches)

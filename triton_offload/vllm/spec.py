@@ -451,13 +451,26 @@ class TritonTieringOffloadingSpec(TritonWorkerSide, TieringOffloadingSpec):  # t
     ``root_dir``, bucket prefix or peer never hands stock vLLM's chunks (or those
     of another page geometry or parallel layout) to these rows, nor these rows to
     them. The KVCR tier, which has no such name, is refused (ValueError).
+
+    Under ``canonical_layout`` (accepted exactly where vLLM's tiering spec accepts it)
+    the rows are stock vLLM's canonical bytes: ``stock_rows`` is True, the dtype is
+    not tagged (``storage_layout`` is None), so every tier files chunks under vLLM's own
+    names (with vLLM's canonical format id), and the KVCR tier is accepted.
     """
 
     _tiering_region = True
+    _honours_canonical_layout = True
+    storage_layout: str | None = None
 
     def __init__(self, config: Any) -> None:
-        check_secondary_tiers(config.extra_config.get("secondary_tiers", []), type(self).__name__)
+        check_secondary_tiers(
+            config.extra_config.get("secondary_tiers", []),
+            type(self).__name__,
+            canonical=bool(config.canonical_layout),
+        )
         super().__init__(config)
+        if self.stock_rows:
+            return  # vLLM's bytes under vLLM's names: shared with stock instances
         # Every secondary tier that names its storage with vLLM's FileMapper (the
         # fs folder, the obj key prefix, the p2p peer fingerprint) hashes the
         # config's KV dtype: tagging it with this layout files these rows apart
