@@ -8,7 +8,8 @@ a Mamba layer one plane per state tensor, so page sizes differ inside one job (e
 The *pool* is a 2-D byte array of rows ``pool_row_bytes`` apart (the row stride, which
 may exceed what a row holds; pinned host memory in real use, device or CPU memory in
 tests). A row holds one chunk of one group, plane-major: slot ``s`` of plane ``p`` sits
-at ``row * pool_row_bytes + pool_offset_p + s * page_bytes_p``.
+at ``row * pool_row_bytes + pool_offset_p + s * slot_stride_p`` (``slot_stride_p`` is
+the page size, or larger for a fragment plane whose slots interleave with others').
 
 The static tables (one row per tile of every plane, one row per group) are built,
 validated and uploaded once per cache registration by the library, which passes them in
@@ -194,7 +195,7 @@ def _item_rows(pairs_ptr, tile_table_ptr, pair, tile_row, valid):
         tl.load(tile, mask=valid, other=0),  # tile address in block 0
         tl.load(tile + 1, mask=valid, other=0),  # block stride
         tl.load(tile + 2, mask=valid, other=0),  # tile offset in pool slot 0
-        tl.load(tile + 3, mask=valid, other=0),  # page bytes (slot stride)
+        tl.load(tile + 3, mask=valid, other=0),  # slot stride in the row
         tl.load(tile + 4, mask=valid, other=0),  # tile length
     )
 
@@ -236,8 +237,9 @@ def _copy_blocks_kernel(
         tile_table_ptr: int64 ``[num_tiles, 5]``, static. One row per tile of a plane page,
             grouped by cache group, ordered by plane then offset: (device address of the
             tile in block 0 [bytes], block stride [bytes], byte offset of the tile in
-            pool slot 0 of a row [bytes], page bytes (= slot stride in the row) [bytes],
-            tile length [bytes, 1..TILE_BYTES]).
+            pool slot 0 of a row [bytes], slot stride in the row (the page bytes, or
+            more for a fragment of a larger row page) [bytes], tile length [bytes,
+            1..TILE_BYTES]).
         group_table_ptr: int64 ``[num_groups, 2]``, static: (tiles per pair [count],
             first row of the group in the tile table [row index]).
         pairs_ptr: int64 ``[num_pairs, 3]``, per job: (GPU block id, pool row, slot),
@@ -290,12 +292,12 @@ def _copy_blocks_kernel(
                 block0_address,
                 block_stride,
                 pool_tile_offset,
-                page_bytes,
+                slot_stride,
                 item_bytes,
             ) = rows
             cache_address = block0_address + gpu_block * block_stride
             pool_page_address = (
-                pool_address + pool_row * pool_row_bytes + pool_tile_offset + slot * page_bytes
+                pool_address + pool_row * pool_row_bytes + pool_tile_offset + slot * slot_stride
             )
             src = tl.where(to_pool, cache_address, pool_page_address)
             dst = tl.where(to_pool, pool_page_address, cache_address)

@@ -14,7 +14,10 @@ can record a job's start event after it: the timed span is the copy itself.
   group, plane and block it is given (CUDA, or CPU tensors under the interpreter).
 
 All copiers address pool row ``r`` at ``pool_address + r * row_stride``: the row stride
-of the pool tensor, which may exceed the bytes a row holds.
+of the pool tensor, which may exceed the bytes a row holds, and slot ``s`` of a plane
+``plane.pool_slot_stride`` bytes after slot ``s - 1``. Every copier splits a store by
+writer rotation first (``jobs.writer_parts``): a plane's slots that another rank writes
+are never touched.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import torch
 
 from triton_offload.transfer import cpu_copy
 from triton_offload.transfer.batch_copy import BatchCopy
-from triton_offload.transfer.jobs import PairTable, validate_pairs
+from triton_offload.transfer.jobs import PairTable, validate_pairs, writer_parts
 from triton_offload.transfer.layout import CacheLayout, check_int, check_pool_placement
 
 #: Pinned staging buffers kept for pair tables; more in-flight jobs than this wait
@@ -99,19 +102,20 @@ class HostCopier(Copier):
         self, table: PairTable, direction: int, planes: PlaneSubset, holds: JobHolds, stream: Any
     ) -> Callable[[], None]:
         layout, address, stride = self.layout, self.pool_address, self.row_stride
-        subset = _planes_of(layout, planes)
+        parts = writer_parts(layout, table, direction, _planes_of(layout, planes))
 
         def run() -> None:
-            cpu_copy.copy_pages(
-                layout,
-                address,
-                stride,
-                table.pairs,
-                table.offsets,
-                direction,
-                planes=subset,
-                runs=self._runs,
-            )
+            for part, subset in parts:
+                cpu_copy.copy_pages(
+                    layout,
+                    address,
+                    stride,
+                    part.pairs,
+                    part.offsets,
+                    direction,
+                    planes=subset,
+                    runs=self._runs,
+                )
 
         return run
 
@@ -159,21 +163,25 @@ class DmaCopier(Copier):
         """(targets, sources, lengths) of every merged run of the job: uint64 arrays.
 
         The CPU path's runs (same addresses, same merging), built with a fixed number
-        of numpy calls per group whatever the number of planes.
+        of numpy calls per group whatever the number of planes; a store's slots that
+        another rank writes are left out (writer rotation).
         """
-        runs = self._runs.runs(
-            self.pool_address,
-            self.row_stride,
-            table.pairs,
-            table.offsets,
-            direction,
-            _planes_of(self.layout, planes),
-        )
-        return (
-            runs.targets.view(np.uint64),
-            runs.sources.view(np.uint64),
-            runs.lengths.view(np.uint64),
-        )
+        parts = [
+            self._runs.runs(
+                self.pool_address, self.row_stride, part.pairs, part.offsets, direction, subset
+            )
+            for part, subset in writer_parts(
+                self.layout, table, direction, _planes_of(self.layout, planes)
+            )
+        ]
+        if len(parts) == 1:
+            targets, sources, lengths = parts[0].targets, parts[0].sources, parts[0].lengths
+        else:
+            targets, sources, lengths = (
+                np.concatenate([np.zeros(0, np.int64), *(getattr(runs, name) for runs in parts)])
+                for name in ("targets", "sources", "lengths")
+            )
+        return targets.view(np.uint64), sources.view(np.uint64), lengths.view(np.uint64)
 
     def prepare(
         self, table: PairTable, direction: int, planes: PlaneSubset, holds: JobHolds, stream: Any
@@ -285,7 +293,7 @@ def kernel_tables(
                         plane.base_address + start,
                         plane.block_stride,
                         plane.pool_offset + start,
-                        plane.page_bytes,
+                        plane.pool_slot_stride,
                         min(tile_bytes, plane.page_bytes - start),
                     )
                 )
@@ -514,6 +522,23 @@ class TritonCopier(Copier):
     def prepare(
         self, table: PairTable, direction: int, planes: PlaneSubset, holds: JobHolds, stream: Any
     ) -> Callable[[], None]:
+        launches = [
+            self._prepare_part(part, direction, subset, holds, stream)
+            for part, subset in writer_parts(
+                self.layout, table, direction, _planes_of(self.layout, planes)
+            )
+        ]
+
+        def run() -> None:
+            for launch in launches:
+                launch()
+
+        return launches[0] if len(launches) == 1 else run
+
+    def _prepare_part(
+        self, table: PairTable, direction: int, planes: PlaneSubset, holds: JobHolds, stream: Any
+    ) -> Callable[[], None]:
+        """One launch: ``table`` over ``planes`` (one writer class of a store)."""
         tables = self.tables_for(planes, stream)
         pairs, offsets = table
         n = pairs.shape[0]
@@ -586,19 +611,25 @@ def copy_blocks(
         num_programs = check_int("num_programs", num_programs, 1)
     kernels = load_kernels("triton", layout.device.type == "cuda")
     stride = int(pool.stride(0)) if pool.size(0) > 1 else int(pool.size(1))
-    tables = kernel_tables(layout, stride, kernels.TILE_BYTES, layout.device)
-    table = torch.as_tensor(pairs).to(device=layout.device, dtype=torch.int64).contiguous()
-    offsets = torch.as_tensor(group_offsets).to(device=layout.device, dtype=torch.int64)
-    if num_programs is None:
-        num_programs = int(kernels.default_num_programs(layout.device, tables.mean_tile_bytes))
-    kernels.launch_copy(
-        tables,
-        table,
-        offsets.contiguous(),
-        pool.data_ptr(),
-        int(direction),
-        num_programs=num_programs,
-    )
+    whole = PairTable(_host_table(pairs), _host_table(group_offsets))
+    for part, subset in writer_parts(layout, whole, direction, None):
+        tables = kernel_tables(layout, stride, kernels.TILE_BYTES, layout.device, subset)
+        table = torch.from_numpy(np.ascontiguousarray(part.pairs)).to(layout.device)
+        offsets = torch.from_numpy(np.ascontiguousarray(part.offsets)).to(layout.device)
+        grid = num_programs
+        if grid is None:
+            grid = int(kernels.default_num_programs(layout.device, tables.mean_tile_bytes))
+        address = pool.data_ptr()
+        kernels.launch_copy(
+            tables, table.reshape(-1, 3), offsets, address, int(direction), num_programs=grid
+        )
+
+
+def _host_table(values: Any) -> np.ndarray:
+    """A validated table (tensor, array or list) as a host int64 array."""
+    if isinstance(values, torch.Tensor):
+        return values.detach().cpu().numpy().astype(np.int64, copy=False)
+    return np.asarray(values, dtype=np.int64)
 
 
 __all__ = [

@@ -127,7 +127,13 @@ class RunBuilder:
                 stack.append(
                     tuple(
                         np.array([getattr(p, name) for p in chosen], dtype=np.int64)[:, None]
-                        for name in ("base_address", "block_stride", "pool_offset", "page_bytes")
+                        for name in (
+                            "base_address",
+                            "block_stride",
+                            "pool_offset",
+                            "page_bytes",
+                            "pool_slot_stride",
+                        )
                     )
                 )
             self._stacks[key] = stack
@@ -151,11 +157,11 @@ class RunBuilder:
             lo, hi = bounds[group], bounds[group + 1]
             if stack is None or lo == hi:
                 continue
-            base, stride, offset, page = stack
+            base, stride, offset, page, slot_stride = stack
             block = pairs[lo:hi, 0][None, :]
             cache = base + block * stride
             pool = (pool_address + pairs[lo:hi, 1] * pool_row_bytes)[None, :] + (
-                offset + pairs[lo:hi, 2][None, :] * page
+                offset + pairs[lo:hi, 2][None, :] * slot_stride
             )
             breaks = np.ones(cache.shape, dtype=bool)
             breaks[:, 1:] = (np.diff(cache, axis=1) != page) | (np.diff(pool, axis=1) != page)
@@ -269,10 +275,10 @@ def _copy_small(
         for index in members:
             plane = layout.planes[index]
             base, stride, page = plane.base_address, plane.block_stride, plane.page_bytes
-            pool_base = pool_address + plane.pool_offset
+            pool_base, slot_stride = pool_address + plane.pool_offset, plane.pool_slot_stride
             for block, row, slot in part:
                 cache = base + block * stride
-                pool = pool_base + row * pool_row_bytes + slot * page
+                pool = pool_base + row * pool_row_bytes + slot * slot_stride
                 if store:
                     memmove(pool, cache, page)
                 else:

@@ -233,6 +233,22 @@ def _checked_device(cache_device: torch.device, device: torch.device | str | Non
     return cache_device
 
 
+def _layout_of(
+    caches: Sequence[Sequence[Layer]] | CacheLayout, num_groups: int, blocks_per_chunk: int
+) -> CacheLayout:
+    """The engine's layout: built from the caches, or the caller's, checked against the plan."""
+    if not isinstance(caches, CacheLayout):
+        return build_layout(caches, num_groups=num_groups, blocks_per_chunk=blocks_per_chunk)
+    if (caches.num_groups, caches.blocks_per_chunk) != (num_groups, blocks_per_chunk):
+        raise ValueError(
+            f"the given CacheLayout has {caches.num_groups} groups of {caches.blocks_per_chunk} "
+            f"blocks per chunk but the plan has {num_groups} of {blocks_per_chunk}"
+        )
+    if not caches.planes:
+        raise ValueError("the given CacheLayout has no plane: nothing to offload")
+    return caches
+
+
 class TransferEngine:
     """Stores and loads cache blocks; see the module docstring for the job semantics.
 
@@ -243,7 +259,9 @@ class TransferEngine:
         plan: an ``OffloadPlan`` (uses ``plan.groups`` and ``plan.blocks_per_chunk``).
         caches: ``caches[g]`` lists group g's layers; a layer is a tensor whose dim 0
             is the block dimension or a tuple of such tensors. A group may list no
-            layer; two planes of one group may not share bytes.
+            layer; two planes of one group may not share bytes. Or a ``CacheLayout``
+            the caller built (fragment planes, e.g. vLLM's canonical pages) for the
+            plan's groups and ``blocks_per_chunk``.
         num_host_blocks: rows of the host pool (one chunk of one group per row); an
             allocated pool must fit in the host's memory.
         device: where the caches live; inferred from them when None.
@@ -271,7 +289,7 @@ class TransferEngine:
     def __init__(
         self,
         plan: Any,
-        caches: Sequence[Sequence[Layer]],
+        caches: Sequence[Sequence[Layer]] | CacheLayout,
         num_host_blocks: int,
         *,
         device: torch.device | str | None = None,
@@ -308,9 +326,7 @@ class TransferEngine:
         num_groups = len(plan.groups)
         self.plan = plan
         self.blocks_per_chunk: int = int(plan.blocks_per_chunk)
-        self.layout: CacheLayout = build_layout(
-            caches, num_groups=num_groups, blocks_per_chunk=self.blocks_per_chunk
-        )
+        self.layout: CacheLayout = _layout_of(caches, num_groups, self.blocks_per_chunk)
         self.device = _checked_device(self.layout.device, device)
         self.cuda = self.device.type == "cuda"
         self.num_host_blocks = num_host_blocks

@@ -540,6 +540,49 @@ def _check_destinations(
             raise ValueError(_shared_clash(what, key_ids[k], g, h))
 
 
+def writer_parts(
+    layout: CacheLayout,
+    table: PairTable,
+    direction: Direction | int,
+    planes: tuple[int, ...] | None,
+) -> list[tuple[PairTable, tuple[int, ...] | None]]:
+    """The job split by writer rotation: ``(pair table, plane subset)`` per part.
+
+    A load, or a store whose planes all write every slot, is one part: the table and
+    ``planes`` unchanged. Otherwise the planes (all when ``planes`` is None) are split
+    by ``(num_writers, writer_index)`` and each class keeps only the pairs whose row
+    page ``pool_row * blocks_per_chunk + slot`` it writes (``p % num_writers ==
+    writer_index``); parts without a pair are dropped. A subset naming every plane of
+    the layout is given as None.
+    """
+    if direction != Direction.TO_POOL or layout.writer_classes in ((), ((1, 0),)):
+        return [(table, planes)]
+    chosen = range(len(layout.planes)) if planes is None else planes
+    classes: dict[tuple[int, int], list[int]] = {}
+    for index in chosen:
+        plane = layout.planes[index]
+        classes.setdefault((plane.num_writers, plane.writer_index), []).append(index)
+    if list(classes) == [(1, 0)]:
+        return [(table, planes)]
+    pairs, offsets = table
+    num_groups = offsets.size - 1
+    pages = pairs[:, 1] * layout.blocks_per_chunk + pairs[:, 2]
+    groups = np.repeat(np.arange(num_groups, dtype=np.int64), np.diff(offsets))
+    parts: list[tuple[PairTable, tuple[int, ...] | None]] = []
+    for (writers, index), members in sorted(classes.items()):
+        subset = None if len(members) == len(layout.planes) else tuple(members)
+        if writers == 1:
+            parts.append((table, subset))
+            continue
+        keep = pages % writers == index
+        if not keep.any():
+            continue
+        kept = np.zeros(num_groups + 1, dtype=np.int64)
+        np.cumsum(np.bincount(groups[keep], minlength=num_groups), out=kept[1:])
+        parts.append((PairTable(np.ascontiguousarray(pairs[keep]), kept), subset))
+    return parts
+
+
 __all__ = [
     "DIRECTION_NAMES",
     "FROM_POOL",
@@ -550,4 +593,5 @@ __all__ = [
     "PairTable",
     "pair_table",
     "validate_pairs",
+    "writer_parts",
 ]

@@ -24,7 +24,7 @@ planes (``CacheLayout.from_planes``) lives here too; this module imports no Trit
 from __future__ import annotations
 
 import dataclasses
-import itertools
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,6 +72,14 @@ class Plane:
     tuple layer, 0 for a plain tensor). ``view``, when known, is a uint8 ``[num_blocks,
     page_bytes]`` strided view of the same memory (row ``b`` = the page of block ``b``),
     used by the CPU path and by tests; it takes no part in comparisons.
+
+    A *fragment plane* is a piece of a block that lands apart from the rest of it in the
+    row (vLLM's canonical pages: one plane per ``CopyRun`` fragment): its ``base_address``
+    is the tensor's base plus the fragment's offset inside the block, ``page_bytes`` the
+    fragment's length, and ``slot_stride`` (default: ``page_bytes``) the bytes between
+    its slots in a row. ``num_writers``/``writer_index``: a store writes slot ``s`` of row
+    ``r`` only when the row page ``p = r * blocks_per_chunk + s`` has ``p % num_writers
+    == writer_index`` (ranks holding the same bytes take turns); loads read every slot.
     """
 
     group: int
@@ -83,10 +91,27 @@ class Plane:
     layer: int = 0
     index: int = 0
     view: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    slot_stride: int | None = None
+    num_writers: int = 1
+    writer_index: int = 0
 
     @property
     def name(self) -> str:
         return f"group {self.group} layer {self.layer} plane {self.index}"
+
+    @property
+    def pool_slot_stride(self) -> int:
+        """Bytes between two slots of this plane in a pool row."""
+        return self.page_bytes if self.slot_stride is None else self.slot_stride
+
+    @property
+    def writes_every_slot(self) -> bool:
+        """Whether a store writes every slot (no writer rotation)."""
+        return self.num_writers == 1
+
+    def row_span(self, blocks_per_chunk: int) -> int:
+        """One past the last row byte a slot of this plane covers."""
+        return self.pool_offset + (blocks_per_chunk - 1) * self.pool_slot_stride + self.page_bytes
 
     @classmethod
     def of_view(cls, view: torch.Tensor, *, group: int, pool_offset: int) -> Plane:
@@ -284,6 +309,11 @@ class CacheLayout:
     alias_rules: tuple[AliasRule, ...] = ()
     sources: tuple[CacheSource, ...] = field(default=(), compare=False, repr=False)
 
+    @functools.cached_property
+    def writer_classes(self) -> tuple[tuple[int, int], ...]:
+        """Distinct ``(num_writers, writer_index)`` of the planes, sorted."""
+        return tuple(sorted({(p.num_writers, p.writer_index) for p in self.planes}))
+
     def check_sources(self) -> None:
         """ValueError naming the first plane whose tensor was reallocated or resized
         since registration (one pointer and one size comparison per tensor)."""
@@ -329,6 +359,20 @@ class CacheLayout:
             num_blocks = check_int(f"{what} num_blocks", plane.num_blocks, 1)
             stride = check_int(f"{what} block_stride", plane.block_stride, 1)
             offset = check_int(f"{what} pool_offset", plane.pool_offset, 0)
+            slot_stride = page
+            if plane.slot_stride is not None:
+                slot_stride = check_int(f"{what} slot_stride", plane.slot_stride, 1)
+                if slot_stride < page:
+                    raise ValueError(
+                        f"{what} slot_stride {slot_stride} is smaller than page_bytes {page}: "
+                        "its slots would overlap in a row"
+                    )
+            writers = check_int(f"{what} num_writers", plane.num_writers, 1)
+            index_of_writer = check_int(f"{what} writer_index", plane.writer_index, 0)
+            if index_of_writer >= writers:
+                raise ValueError(
+                    f"{what} writer_index {index_of_writer} out of range [0, {writers})"
+                )
             if num_blocks > 1 and stride < page:
                 raise ValueError(
                     f"{what} block_stride {stride} is smaller than page_bytes {page}: "
@@ -336,30 +380,18 @@ class CacheLayout:
                 )
             if plane.base_address + (num_blocks - 1) * stride + page > _INT64_MAX:
                 raise ValueError(f"{what} address range overflows int64")
-            if offset + blocks_per_chunk * page > row_bytes:
+            if offset + (blocks_per_chunk - 1) * slot_stride + page > row_bytes:
                 raise ValueError(
                     f"{what} pool_offset {offset} + {blocks_per_chunk} slots x {page} bytes "
-                    f"exceeds row_bytes {row_bytes}"
+                    + (f"({slot_stride} apart) " if slot_stride != page else "")
+                    + f"exceeds row_bytes {row_bytes}"
                 )
         group_planes = tuple(
             tuple(i for i, p in enumerate(planes) if p.group == g) for g in range(num_groups)
         )
         for group, members in enumerate(group_planes):
             # Planes of one group must not share bytes of a pool row (a store would clobber).
-            spans = sorted(
-                (
-                    planes[i].pool_offset,
-                    planes[i].pool_offset + blocks_per_chunk * planes[i].page_bytes,
-                    i,
-                )
-                for i in members
-            )
-            for (_, end, i), (start, _, j) in itertools.pairwise(spans):
-                if start < end:
-                    raise ValueError(
-                        f"plane {j} pool_offset {start} overlaps plane {i}'s slots "
-                        f"(ending at byte {end}) in the rows of group {group}"
-                    )
+            _check_row_disjoint(planes, members, blocks_per_chunk, group)
         cache_alias: set[tuple[int, int]] = set()
         rules: list[AliasRule] = []
         seen_offsets: set[tuple[int, int, tuple[int, int]]] = set()
@@ -381,15 +413,7 @@ class CacheLayout:
                     continue
                 seen_offsets.add((a.group, b.group, offsets))
             rules.append(AliasRule(a.group, i, b.group, j, offsets))
-        pool_shared: set[tuple[int, int]] = set()
-        for i, a in enumerate(planes):
-            for b in planes[i + 1 :]:
-                if a.group == b.group:
-                    continue
-                a_end = a.pool_offset + blocks_per_chunk * a.page_bytes
-                b_end = b.pool_offset + blocks_per_chunk * b.page_bytes
-                if a.pool_offset < b_end and b.pool_offset < a_end:
-                    pool_shared.add((min(a.group, b.group), max(a.group, b.group)))
+        pool_shared = _pool_shared_groups(planes, group_planes, blocks_per_chunk)
         return cls(
             planes=planes,
             num_groups=num_groups,
@@ -400,19 +424,80 @@ class CacheLayout:
             ),
             group_planes=group_planes,
             group_row_bytes=tuple(
-                max(
-                    (planes[i].pool_offset + blocks_per_chunk * planes[i].page_bytes for i in m),
-                    default=0,
-                )
+                max((planes[i].row_span(blocks_per_chunk) for i in m), default=0)
                 for m in group_planes
             ),
             bytes_per_block=tuple(sum(planes[i].page_bytes for i in m) for m in group_planes),
             row_bytes=row_bytes,
             device=torch.device(device),
             cache_alias_groups=tuple(sorted(cache_alias)),
-            pool_shared_groups=tuple(sorted(pool_shared)),
+            pool_shared_groups=pool_shared,
             alias_rules=tuple(rules),
         )
+
+
+def _row_intervals(
+    planes: Sequence[Plane], members: Sequence[int], blocks_per_chunk: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(starts, ends, plane indices) of every slot of ``members`` in a row, sorted by start."""
+    if not members:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty
+    chosen = [planes[i] for i in members]
+    offsets = np.array([p.pool_offset for p in chosen], dtype=np.int64)[:, None]
+    strides = np.array([p.pool_slot_stride for p in chosen], dtype=np.int64)[:, None]
+    pages = np.array([p.page_bytes for p in chosen], dtype=np.int64)[:, None]
+    slots = np.arange(blocks_per_chunk, dtype=np.int64)[None, :]
+    starts = (offsets + slots * strides).ravel()
+    ends = starts + np.broadcast_to(pages, (len(chosen), blocks_per_chunk)).ravel()
+    owners = np.repeat(np.asarray(members, dtype=np.int64), blocks_per_chunk)
+    order = np.argsort(starts, kind="stable")
+    return starts[order], ends[order], owners[order]
+
+
+def _check_row_disjoint(
+    planes: Sequence[Plane], members: Sequence[int], blocks_per_chunk: int, group: int
+) -> None:
+    """ValueError when two slots of one group's planes share bytes of a row (vectorized:
+    fragment planes interleave their slots, so whole-plane spans do not decide it)."""
+    starts, ends, owners = _row_intervals(planes, members, blocks_per_chunk)
+    if starts.size < 2:
+        return
+    reach = np.maximum.accumulate(ends)
+    clash = np.flatnonzero(starts[1:] < reach[:-1])
+    if clash.size:
+        k = int(clash[0]) + 1
+        i = int(owners[int(np.argmax(ends[:k] > starts[k]))])
+        j = int(owners[k])
+        first, second = sorted((planes[i], planes[j]), key=lambda p: p.pool_offset)
+        i, j = (i, j) if first is planes[i] else (j, i)
+        raise ValueError(
+            f"plane {j} pool_offset {second.pool_offset} overlaps plane {i}'s slots "
+            f"(ending at byte {first.row_span(blocks_per_chunk)}) in the rows of group {group}"
+        )
+
+
+def _pool_shared_groups(
+    planes: Sequence[Plane], group_planes: Sequence[Sequence[int]], blocks_per_chunk: int
+) -> tuple[tuple[int, int], ...]:
+    """Sorted pairs of groups whose planes use some same bytes of a row."""
+    merged = []
+    for members in group_planes:
+        starts, ends, _ = _row_intervals(planes, members, blocks_per_chunk)
+        merged.append((starts, ends))
+    shared = []
+    for g, (a_starts, a_ends) in enumerate(merged):
+        for h in range(g + 1, len(merged)):
+            b_starts, b_ends = merged[h]
+            if not a_starts.size or not b_starts.size:
+                continue
+            # Slots of one group are disjoint and sorted: the first b slot ending after
+            # each a slot starts overlaps it iff it starts before that a slot ends.
+            first = np.searchsorted(b_ends, a_starts, side="right")
+            inside = first < b_starts.size
+            if np.any(b_starts[first[inside]] < a_ends[inside]):
+                shared.append((g, h))
+    return tuple(shared)
 
 
 def check_pool_placement(pool: torch.Tensor, layout: CacheLayout) -> None:
@@ -613,7 +698,7 @@ def pool_plane_view(pool: torch.Tensor, plane: Plane, blocks_per_chunk: int) -> 
     assert pool.dtype == torch.uint8 and pool.dim() == 2 and pool.stride(1) == 1
     return pool.as_strided(
         (pool.size(0), blocks_per_chunk, plane.page_bytes),
-        (pool.stride(0), plane.page_bytes, 1),
+        (pool.stride(0), plane.pool_slot_stride, 1),
         pool.storage_offset() + plane.pool_offset,
     )
 

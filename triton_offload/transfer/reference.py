@@ -78,7 +78,11 @@ def reference_copy(
         for gpu_block, row, slot in table[offsets[group] : offsets[group + 1]]:
             for i in planes:
                 plane = layout.planes[i]
-                start = plane.pool_offset + slot * plane.page_bytes
+                page = row * layout.blocks_per_chunk + slot
+                skipped = page % plane.num_writers != plane.writer_index
+                if direction == Direction.TO_POOL and skipped:
+                    continue  # another rank writes this slot
+                start = plane.pool_offset + slot * plane.pool_slot_stride
                 pool_page = pool[row, start : start + plane.page_bytes]
                 cache_page = plane_views[i][gpu_block]
                 if direction == Direction.TO_POOL:

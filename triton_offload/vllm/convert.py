@@ -71,7 +71,7 @@ def caches_from_canonical(kv_caches: Any) -> list[list[torch.Tensor]]:
     views: list[torch.Tensor] = []
     for index, entry in enumerate(tensors):
         tensor = getattr(entry, "tensor", None)
-        views.append(_row_bytes_view(tensor, f"kv_caches.tensors[{index}]"))
+        views.append(row_bytes_view(tensor, f"kv_caches.tensors[{index}]"))
     caches: list[list[torch.Tensor]] = []
     for group, refs in enumerate(kv_caches.group_data_refs):
         layers: list[torch.Tensor] = []
@@ -98,7 +98,7 @@ def caches_from_canonical(kv_caches: Any) -> list[list[torch.Tensor]]:
     return caches
 
 
-def _row_bytes_view(tensor: Any, name: str) -> torch.Tensor:
+def row_bytes_view(tensor: Any, name: str) -> torch.Tensor:
     """uint8 ``[num_blocks, bytes_per_block]`` view of a ``(num_blocks, ...)`` tensor."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name}.tensor must be a torch.Tensor, got {type(tensor).__name__}")
@@ -159,4 +159,9 @@ def split_job(
     return JobSpec(gpu_blocks, host_blocks, starts)
 
 
-__all__ = ["caches_from_canonical", "plan_from_offloading_config", "split_job"]
+__all__ = [
+    "caches_from_canonical",
+    "plan_from_offloading_config",
+    "row_bytes_view",
+    "split_job",
+]

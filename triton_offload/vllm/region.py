@@ -94,7 +94,9 @@ class RegionPlan:
     """Arguments of one worker's ``SharedOffloadRegion``, as vLLM's CPU spec derives them.
 
     ``slot`` is the worker page this process addresses (0 for every rank under the
-    replicated layout); ``writer`` says whether this rank copies stores.
+    replicated layout); ``writer`` says whether this rank copies stores. ``canonical``:
+    vLLM's ``canonical_layout``, where every rank addresses the canonical area at the
+    start of every row (its pages are locked whole) and writes its share of each page.
     """
 
     engine_id: str
@@ -104,6 +106,7 @@ class RegionPlan:
     rank: int
     world_size: int
     replicated: bool
+    canonical: bool = False
 
     @property
     def slot(self) -> int:
@@ -111,7 +114,8 @@ class RegionPlan:
 
     @property
     def writer(self) -> bool:
-        return not self.replicated or self.rank == 0
+        # Canonical pages: every rank writes, page by page in turn (the mapping's writers).
+        return self.canonical or not self.replicated or self.rank == 0
 
     @property
     def total_bytes(self) -> int:
@@ -129,6 +133,7 @@ class RegionPlan:
             rank=int(parallel.rank),
             world_size=int(parallel.world_size),
             replicated=bool(spec.replicated_layout),
+            canonical=bool(getattr(spec, "stock_rows", False)),
         )
 
 
@@ -218,17 +223,25 @@ def worker_pool_view(region: Any, plan: RegionPlan) -> torch.Tensor:
     )
 
 
+def canonical_pool_view(region: Any, plan: RegionPlan, row_bytes: int) -> torch.Tensor:
+    """uint8 ``[num_chunks, row_bytes]`` view of the canonical area at the start of every
+    row (``canonical_layout``: all ranks address the same bytes), row stride ``row_stride``."""
+    base = region.base_tensor.view(torch.uint8)
+    return base.as_strided((plan.num_chunks, row_bytes), (plan.row_stride, 1), 0)
+
+
 def lock_ranges(plan: RegionPlan, piece_bytes: int = DEFAULT_PIECE_BYTES) -> list[tuple[int, int]]:
     """(offset, length) byte ranges of the region this worker page-locks.
 
     This worker's page of every row, rounded out to OS pages, when the rest of a row
     is at least ``MIN_SLOT_LOCK_SAVING`` bytes; otherwise the whole region in pieces
     that end on row boundaries (a page never straddles two registrations) of at most
-    ``piece_bytes`` (at least one row).
+    ``piece_bytes`` (at least one row). Canonical rows are shared by every rank: always
+    the whole region (vLLM's worker pins it whole then too).
     """
     page = mmap.PAGESIZE
     saving = plan.row_stride - plan.cpu_page_size
-    if saving >= max(page, MIN_SLOT_LOCK_SAVING):
+    if saving >= max(page, MIN_SLOT_LOCK_SAVING) and not plan.canonical:
         ranges = []
         for row in range(plan.num_chunks):
             start = row * plan.row_stride + plan.slot * plan.cpu_page_size
@@ -412,6 +425,7 @@ __all__ = [
     "REGION_SEGMENTS",
     "RegionPlan",
     "StoreLedger",
+    "canonical_pool_view",
     "check_ledger_job_id",
     "create_worker_region",
     "default_barrier",

@@ -36,11 +36,21 @@ Decisions a user of vLLM's CPU spec would ask about:
   and gives a worker that maps and moves nothing. A group without layers on this
   worker's pipeline stage is an engine group without planes: its chunk ids are checked,
   nothing of it moves.
-- ``canonical_layout`` is refused: its pages are vLLM's canonical fragments, not this
-  project's rows.
-- The tiering spec's fs, obj and p2p tiers file chunks under a name that carries this
-  layout (:func:`storage_layout_tag`), so they never exchange chunks with stock vLLM
-  or another geometry; the KVCR tier, which cannot be so named, is refused.
+- ``canonical_layout``: ``TritonTieringOffloadingSpec`` honours it exactly where vLLM's
+  tiering spec does. Host rows then hold stock vLLM's canonical bytes (every ref's
+  ``CopyRun`` fragments become fragment planes, :mod:`triton_offload.vllm.canonical`),
+  every rank writes the canonical pages it is the writer of (vLLM's rotation), loads
+  read whole pages, ``spec.stock_rows`` is True and storage names are vLLM's own, so
+  stock vLLM instances, other TP sizes (where vLLM certifies every layer) and KVCR
+  peers share chunks with it. It fails closed where vLLM does: a ref without a mapping
+  (pipeline parallelism, a packed cross-layer tensor) or, with a parallelism-agnostic
+  namespace, a layer whose canonical bytes are not portable: ValueError naming the
+  layer. ``TritonOffloadingSpec`` refuses the flag (vLLM's CPU spec silently ignores
+  it; refusing keeps a user from believing rows are canonical when they are not).
+- Without ``canonical_layout`` the tiering spec's fs, obj and p2p tiers file chunks
+  under a name that carries this layout (:func:`storage_layout_tag`), so they never
+  exchange chunks with stock vLLM or another geometry; the KVCR tier, which cannot be so
+  named, is refused.
 
 Importing this module imports vLLM's offloading modules, after the version check of
 :mod:`triton_offload.vllm.compat`; ``triton_offload.vllm`` imports it on first use of a
@@ -66,6 +76,7 @@ from triton_offload.transfer.seal import (
     digest8,
     layout_description,
 )
+from triton_offload.vllm.canonical import canonical_cache_layout
 from triton_offload.vllm.compat import logger, supported_vllm_api
 from triton_offload.vllm.convert import caches_from_canonical, plan_from_offloading_config
 from triton_offload.vllm.integrity import (
@@ -80,6 +91,7 @@ from triton_offload.vllm.planning import warn_stock_lookup_hazards
 from triton_offload.vllm.region import (
     RegionPlan,
     StoreLedger,
+    canonical_pool_view,
     create_worker_region,
     default_barrier,
     lock_worker_pages,
@@ -105,6 +117,11 @@ class TritonWorkerSide:
     region_barrier: Any = None
     #: Create the region as vLLM's tiering spec does (shared with the scheduler).
     _tiering_region = False
+    #: Whether this spec honours vLLM's ``canonical_layout`` (its tiering spec does).
+    _honours_canonical_layout = False
+    #: True when the host rows are stock vLLM's bytes (``canonical_layout``): no byte of
+    #: this project's own (row layout, integrity records) may be added to them.
+    stock_rows = False
 
     config: Any
     extra_config: Any
@@ -124,16 +141,25 @@ class TritonWorkerSide:
             )
         extra = config.extra_config
         validate_cpu_bytes(extra)
-        if config.canonical_layout or extra.get("canonical_layout"):
+        requested = bool(config.canonical_layout or extra.get("canonical_layout"))
+        if requested and not self._honours_canonical_layout:
             raise ValueError(
                 "kv_connector_extra_config['canonical_layout'] is not supported by "
                 f"{type(self).__name__}: its host rows hold each worker's own pages "
-                "in this project's row layout, not vLLM's canonical pages"
+                "in this project's row layout, not vLLM's canonical pages (vLLM's CPU "
+                "spec ignores the flag; use TritonTieringOffloadingSpec, which honours it)"
             )
+        # vLLM's tiering spec follows the config's flag (set from the extra config).
+        self.stock_rows = bool(config.canonical_layout)
+        #: Set by the canonical worker as vLLM's tiering spec sets it: whether every
+        #: layer's canonical bytes are parallelism-agnostic.
+        self.all_layers_portable: bool | None = None
         self.engine_options = EngineOptions.from_extra_config(extra)
         super().__init__(config)  # type: ignore[call-arg]
         #: Pages end with a seal (chunk verification on): see triton_offload.vllm.integrity.
-        self.sealed_pages = self.engine_options.verify_chunks
+        #: Stock vLLM's rows (canonical_layout) carry none: they are shared byte for byte
+        #: with instances that write no seal, so no byte may be added to them.
+        self.sealed_pages = self.engine_options.verify_chunks and not self.stock_rows
         if self.sealed_pages:
             self._add_seal_room()
         # An attention-free model has no group: nothing to plan or move.
@@ -296,6 +322,8 @@ class TritonWorkerSide:
                 f"{1 if self.replicated_layout else self.config.parallel.world_size} "
                 f"copies x {self.blocks_per_chunk} blocks; raise it"
             )
+        if self.stock_rows:
+            return self._canonical_worker(kv_caches)
         caches = caches_from_canonical(kv_caches)
         stage = tuple(g for g, layers in enumerate(caches) if layers)
         region_plan = RegionPlan.from_spec(self)
@@ -390,6 +418,96 @@ class TritonWorkerSide:
         pages = worker_pool_view(region, region_plan).numpy()
         return PageSealer(pages, fmt, layout.group_row_bytes)
 
+    def _canonical_layout(self, kv_caches: Any, region_plan: RegionPlan) -> CacheLayout:
+        """The fragment planes of vLLM's canonical pages, checked as vLLM's tiering spec
+        checks the refs (fail closed) and against vLLM's row stride."""
+        names = [group.layer_names for group in self.config.groups]
+        layout = canonical_cache_layout(kv_caches, self.blocks_per_chunk, layer_names=names)
+        portable = [
+            (group, position)
+            for group, refs in enumerate(kv_caches.group_data_refs)
+            for position, ref in enumerate(refs)
+            if not ref.mapping.parallelism_agnostic
+        ]
+        self.all_layers_portable = not portable
+        if self.config.parallel.is_parallelism_agnostic and portable:
+            group, position = portable[0]
+            name = (names[group][position:] or ("?",))[0]
+            raise ValueError(
+                f"canonical_layout could not certify layer {name!r} (group {group}) as "
+                "parallelism-agnostic, but the storage namespace is shared across "
+                "topologies; remove canonical_layout from kv_connector_extra_config or "
+                "disable parallel-agnostic secondary tiers"
+            )
+        if layout.row_bytes > region_plan.row_stride:
+            raise ValueError(
+                f"the canonical pages of a chunk need {layout.row_bytes} bytes but vLLM's "
+                f"row stride (kv_bytes_per_chunk) is {region_plan.row_stride}"
+            )
+        return layout
+
+    def _canonical_worker(self, kv_caches: Any) -> TritonOffloadingWorker:
+        """``canonical_layout``: every rank addresses the canonical area of every row."""
+        region_plan = RegionPlan.from_spec(self)
+        layout = self._canonical_layout(kv_caches, region_plan)
+        stage = tuple(g for g, refs in enumerate(kv_caches.group_data_refs) if refs)
+        started = time.perf_counter()
+        region = create_worker_region(region_plan, barrier=None, tiering=self._tiering_region)
+        api_used = None
+        locked = 0
+        try:
+            if layout.device.type == "cuda":
+                api_used = cuda_api()
+                with torch.cuda.device(layout.device):
+                    locked = lock_worker_pages(region, region_plan, api_used)
+            options = self.engine_options
+            world = region_plan.world_size
+            engine = TransferEngine(
+                self.plan,
+                layout,
+                self.num_chunks,
+                pool=canonical_pool_view(region, region_plan, layout.row_bytes),
+                backend=options.backend,
+                num_programs=options.num_programs,
+                crossover=options.crossover,
+                # Every rank addresses the same rows: each calibrates on its own slice.
+                calibration_rows=(
+                    (region_plan.rank, world) if 1 < world <= self.num_chunks else (0, 1)
+                ),
+            )
+        except BaseException:
+            release_region(region, api_used)
+            raise
+        logger.info(
+            "%s (triton_offload %s): worker rank %d writes its share of vLLM's canonical "
+            "pages (canonical_layout, all layers portable: %s); shared region %s: %d host "
+            "chunks, row stride %d bytes, %d canonical bytes per row; %.2f GiB page-locked "
+            "in %.3f s; offloads %d fragment planes of groups %s, backend=%s",
+            type(self).__name__,
+            __version__,
+            region_plan.rank,
+            self.all_layers_portable,
+            region.mmap_path,
+            region_plan.num_chunks,
+            region_plan.row_stride,
+            layout.row_bytes,
+            locked / (1 << 30),
+            time.perf_counter() - started,
+            len(layout.planes),
+            list(stage),
+            engine.backend,
+        )
+        return TritonOffloadingWorker(
+            engine,
+            num_groups=len(self.config.groups),
+            stage_groups=stage,
+            blocks_per_chunk=self.blocks_per_chunk,
+            num_chunks=self.num_chunks,
+            region=region,
+            writer=True,
+            cuda_api=api_used,
+        )
+
 
 class TritonOffloadingSpec(TritonWorkerSide, CPUOffloadingSpec):  # type: ignore[misc]
     """vLLM's CPU offloading with this project's data path.
@@ -398,7 +516,9 @@ class TritonOffloadingSpec(TritonWorkerSide, CPUOffloadingSpec):  # type: ignore
     scheduler and in every worker): it validates the extra config, computes the
     chunk count as vLLM's CPU spec does on its shared region (one copy per chunk
     under ``replicated_layout``) and plans the groups; nothing is allocated before
-    ``get_worker``. ``get_manager`` is vLLM's CPU manager.
+    ``get_worker``. ``get_manager`` is vLLM's CPU manager. ``canonical_layout`` is
+    refused with a ValueError (vLLM's CPU spec ignores it; its rows here are this
+    project's own layout).
     """
 
 
@@ -414,13 +534,26 @@ class TritonTieringOffloadingSpec(TritonWorkerSide, TieringOffloadingSpec):  # t
     ``root_dir``, bucket prefix or peer never hands stock vLLM's chunks (or those
     of another page geometry or parallel layout) to these rows, nor these rows to
     them. The KVCR tier, which has no such name, is refused (ValueError).
+
+    Under ``canonical_layout`` (accepted exactly where vLLM's tiering spec accepts it)
+    the rows are stock vLLM's canonical bytes: ``stock_rows`` is True, the dtype is
+    not tagged (``storage_layout`` is None), so every tier files chunks under vLLM's own
+    names (with vLLM's canonical format id), and the KVCR tier is accepted.
     """
 
     _tiering_region = True
+    _honours_canonical_layout = True
+    storage_layout: str | None = None
 
     def __init__(self, config: Any) -> None:
-        check_secondary_tiers(config.extra_config.get("secondary_tiers", []), type(self).__name__)
+        check_secondary_tiers(
+            config.extra_config.get("secondary_tiers", []),
+            type(self).__name__,
+            canonical=bool(config.canonical_layout),
+        )
         super().__init__(config)
+        if self.stock_rows:
+            return  # vLLM's bytes under vLLM's names: shared with stock instances
         # Every secondary tier that names its storage with vLLM's FileMapper (the
         # fs folder, the obj key prefix, the p2p peer fingerprint) hashes the
         # config's KV dtype: tagging it with this layout files these rows apart

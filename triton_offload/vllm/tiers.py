@@ -1,9 +1,11 @@
 """vLLM's secondary tiers under this backend: which are accepted, and the storage name tag.
 
-vLLM's tiering spec puts fs, obj, p2p and KVCR tiers under the CPU tier. This backend's
-rows are its own layout, so a tier may only exchange chunks with instances that write
-the same bytes: :func:`storage_layout_tag` names that layout, and
-:func:`check_secondary_tiers` refuses tiers that cannot carry the name.
+vLLM's tiering spec puts fs, obj, p2p and KVCR tiers under the CPU tier. In its default
+layout this backend's rows are its own, so a tier may only exchange chunks with
+instances that write the same bytes: :func:`storage_layout_tag` names that layout, and
+:func:`check_secondary_tiers` refuses tiers that cannot carry the name. Under vLLM's
+``canonical_layout`` the rows are stock vLLM's canonical bytes: no tag, and the KVCR tier
+is accepted (it shares chunks with stock instances, which write the same bytes).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from triton_offload.vllm.compat import logger
 #: the obj key prefix, the p2p peer fingerprint), which carry this spec's layout tag, or
 #: that keep their chunks inside this process ("example").
 TAGGED_TIERS = ("fs", "obj", "p2p", "example")
-#: Secondary tiers refused: their chunks are shared under keys this spec cannot tag.
+#: Secondary tiers refused outside ``canonical_layout``: their chunks are shared under
+#: keys this spec cannot tag.
 UNTAGGABLE_TIERS = ("kvcr",)
 
 
@@ -52,25 +55,28 @@ def storage_layout_tag(spec: Any) -> str:
     return ":".join(parts)
 
 
-def check_secondary_tiers(tiers: Any, spec_name: str) -> None:
+def check_secondary_tiers(tiers: Any, spec_name: str, *, canonical: bool = False) -> None:
     """Refuse tiers whose chunks could be shared with another layout (ValueError).
 
     A tier outside :data:`TAGGED_TIERS` and :data:`UNTAGGABLE_TIERS` (an out-of-tree
     tier) is let through with a warning: it is kept apart only if it files chunks with
-    vLLM's ``FileMapper.from_offloading_spec`` (which carries the layout tag).
+    vLLM's ``FileMapper.from_offloading_spec`` (which carries the layout tag). Under
+    ``canonical`` (vLLM's ``canonical_layout``: the rows are stock vLLM's bytes) every
+    tier vLLM's tiering spec takes is accepted, the KVCR tier included.
     """
-    if not isinstance(tiers, list):
-        return  # vLLM's tiering spec raises its own error for this
+    if not isinstance(tiers, list) or canonical:
+        return  # vLLM's tiering spec raises its own error for a non-list
     for index, tier in enumerate(tiers):
         tier_type = tier.get("type") if isinstance(tier, Mapping) else None
         key = f"kv_connector_extra_config['secondary_tiers'][{index}]['type']"
         if tier_type in UNTAGGABLE_TIERS:
             raise ValueError(
-                f"{key} {tier_type!r} is not supported by {spec_name}: that tier shares "
-                "chunks between instances keyed by block hash alone, with no field this "
-                "spec can tag with its row layout, so it could hand back chunks written "
-                "in vLLM's layout (or another geometry's) as this project's rows; use "
-                f"one of {TAGGED_TIERS[:3]}"
+                f"{key} {tier_type!r} is not supported by {spec_name} without "
+                "canonical_layout: that tier shares chunks between instances keyed by "
+                "block hash alone, with no field this spec can tag with its row layout, "
+                "so it could hand back chunks written in vLLM's layout (or another "
+                "geometry's) as this project's rows; set canonical_layout (the rows are "
+                f"then vLLM's canonical bytes) or use one of {TAGGED_TIERS[:3]}"
             )
         if tier_type is not None and tier_type not in TAGGED_TIERS:
             logger.warning(
