@@ -197,7 +197,7 @@ class TritonWorkerSide:
     def get_manager(self) -> Any:
         first = self._triton_manager is None
         manager = self._triton_manager = super().get_manager()  # type: ignore[misc]
-        if first and self.sealed_pages:
+        if first:
             self._guard_manager(manager)
         if first:
             warn_stock_lookup_hazards(self.config)
@@ -215,9 +215,13 @@ class TritonWorkerSide:
         return manager
 
     def _guard_manager(self, manager: Any) -> None:
-        """Host specs carry their keys; promoted chunks are checked; a ``ChunkGuard`` on
-        the manager (``manager.triton_guard``) holds the quarantine the connector uses."""
-        give_keys_to_specs(manager)
+        """A ``ChunkGuard`` on the manager (``manager.triton_guard``) holds the quarantine
+        the connector and the tier hooks share: a key a tier failed to read, or whose
+        chunk failed verification, is a miss until it is stored again. With sealed
+        pages the host specs carry their keys and promoted chunks are checked; without
+        (verification off, or stock rows) only the tiers' own failures are caught."""
+        if self.sealed_pages:
+            give_keys_to_specs(manager)
         primary = host_manager(manager)
         memory = None
         if primary is not None and hasattr(primary, "get_kv_memoryview"):
@@ -226,7 +230,7 @@ class TritonWorkerSide:
             region_rows=region_rows(memory, int(self.num_chunks), int(self.kv_bytes_per_chunk)),
             page_bytes=int(self.cpu_page_size_per_worker),
             page_count=1 if self.replicated_layout else int(self.config.parallel.world_size),
-            digest=self.seal_config_digest(),
+            digest=self.seal_config_digest() if self.sealed_pages else None,
         )
         for tier in getattr(manager, "secondary_tiers", ()):
             guard.watch_tier(manager, tier)
