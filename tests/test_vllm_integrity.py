@@ -219,9 +219,12 @@ def test_a_bad_fs_file_is_refused_at_promotion_and_quarantined(
 
 
 def test_a_chunk_of_another_row_layout_is_refused_at_the_load(tmp_path: Path) -> None:
-    """K/V fused into one plane vs split into two: same config, same fs folder, other
-    row bytes. The promotion passes (the scheduler cannot know the worker's planes), the
-    worker's check of the layout digest refuses the load."""
+    """K/V fused into one plane vs split into two: same config, other row bytes. Here
+    the schedulers name their storage before any worker published its planes (so both
+    use one fs folder, as a scheduler started before its workers would); the promotion
+    passes (the scheduler cannot know the planes), the worker's check of the layout
+    digest refuses the load. In vLLM's engine the workers publish first and the two
+    get different folders (test_split_and_fused_planes_get_different_storage_names)."""
     fused, split = Tiered(tmp_path / "fs", fused=True), Tiered(tmp_path / "fs")
     try:
         fused.store([key(0)], [3, 8])
@@ -276,3 +279,34 @@ def test_verification_off_gives_vllms_own_row_size(tmp_path: Path) -> None:
         OffloadingSpecFactory.create_spec(
             dataclasses.replace(config, extra_config={**config.extra_config, "verify_chunks": "no"})
         )
+
+
+def test_split_and_fused_planes_get_different_storage_names(tmp_path: Path) -> None:
+    """vLLM's engine registers the caches (workers) before it builds the scheduler: the
+    scheduler's spec names its tiers' storage after the workers' published planes."""
+    from triton_offload.vllm.tiers import PLANES_UNPUBLISHED, layout_note_path
+
+    names = {}
+    for fused in (True, False):
+        workers = Tiered(tmp_path / "fs", fused=fused)  # publishes its planes
+        try:
+            note = layout_note_path(workers.spec.config.engine_id, 0)
+            assert os.path.exists(note)
+            scheduler_spec = OffloadingSpecFactory.create_spec(
+                dataclasses.replace(
+                    make_config(tmp_path / "fs"),
+                    worker_kv_bytes_per_block=2 * PLANE,
+                    engine_id=workers.spec.config.engine_id,
+                    extra_config={**workers.spec.extra_config},
+                )
+            )
+            names[fused] = scheduler_spec.storage_layout
+            assert not names[fused].endswith(PLANES_UNPUBLISHED)
+            # The seals' config digest does not depend on the planes (workers built
+            # their spec before publishing): scheduler and workers agree on it.
+            assert scheduler_spec.seal_config_digest() == workers.spec.seal_config_digest()
+        finally:
+            workers.close()
+        assert not os.path.exists(note)  # withdrawn at shutdown
+    assert names[True] != names[False]
+    assert names[True].rsplit(":", 1)[0] == names[False].rsplit(":", 1)[0]

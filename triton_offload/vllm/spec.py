@@ -98,7 +98,14 @@ from triton_offload.vllm.region import (
     release_region,
     worker_pool_view,
 )
-from triton_offload.vllm.tiers import check_secondary_tiers, storage_layout_tag
+from triton_offload.vllm.tiers import (
+    PLANES_UNPUBLISHED,
+    check_secondary_tiers,
+    planes_tag,
+    publish_planes,
+    storage_layout_tag,
+    withdraw_planes,
+)
 from triton_offload.vllm.worker import TritonOffloadingWorker
 
 with supported_vllm_api():
@@ -162,6 +169,11 @@ class TritonWorkerSide:
         self.sealed_pages = self.engine_options.verify_chunks and not self.stock_rows
         if self.sealed_pages:
             self._add_seal_room()
+        # What the scheduler and every worker agree a chunk's bytes mean (the seals'
+        # config digest): the config-level layout tag and the model's own dtype, fixed
+        # here, before the tiering spec tags the dtype with the published planes.
+        self._seal_config = config_digest(self, storage_layout_tag(self))
+        self._planes_note: str | None = None
         # An attention-free model has no group: nothing to plan or move.
         self.plan = plan_from_offloading_config(config) if config.groups else None
         self._triton_manager: Any = None
@@ -185,7 +197,7 @@ class TritonWorkerSide:
 
     def seal_config_digest(self) -> bytes:
         """The configuration digest every page seal of this spec carries."""
-        return config_digest(self, storage_layout_tag(self))
+        return self._seal_config
 
     def _uses_shared_region(self) -> bool:
         # vLLM's shared region on every platform this backend runs on (CUDA, and the CPU
@@ -196,6 +208,16 @@ class TritonWorkerSide:
 
     def get_manager(self) -> Any:
         first = self._triton_manager is None
+        layout_tag = getattr(self, "storage_layout", None)
+        if first and layout_tag and layout_tag.endswith(PLANES_UNPUBLISHED):
+            logger.warning(
+                "%s: no worker of engine %s published its planes before the scheduler "
+                "named the tiers' storage (%s): another plane arrangement of this config "
+                "may share it (its chunks are refused at load by their seals)",
+                type(self).__name__,
+                self.config.engine_id,
+                layout_tag,
+            )
         manager = self._triton_manager = super().get_manager()  # type: ignore[misc]
         if first:
             self._guard_manager(manager)
@@ -332,6 +354,20 @@ class TritonWorkerSide:
         stage = tuple(g for g, layers in enumerate(caches) if layers)
         region_plan = RegionPlan.from_spec(self)
         layout = self._stage_layout(caches, region_plan) if stage else None
+        if self._tiering_region:
+            # The scheduler names the tiers' storage after every worker's planes (it
+            # starts after the workers in vLLM's engine): two plane arrangements of one
+            # config never share a folder, a key prefix or a peer.
+            planes = [] if layout is None else layout.planes
+            self._planes_note = publish_planes(
+                str(self.config.engine_id),
+                rank,
+                layout_description(
+                    [(p.group, p.pool_offset, p.page_bytes) for p in planes],
+                    self.blocks_per_chunk,
+                    ROW_LAYOUT_VERSION,
+                ),
+            )
         # Every worker reaches the same barriers in the same order (the region's,
         # then the ledger's), whatever its stage holds.
         barrier = None
@@ -359,6 +395,7 @@ class TritonWorkerSide:
             if ledger is not None:
                 ledger.close()
             release_region(region, api_used)
+            withdraw_planes(self._planes_note)
             raise
         role = (
             "writes replicated chunks"
@@ -401,6 +438,7 @@ class TritonWorkerSide:
             cuda_api=api_used,
             replicated_store_timeout_s=self.engine_options.replicated_store_timeout_s,
             sealer=sealer,
+            planes_note=self._planes_note,
         )
 
     def _sealer(self, engine: Any, region: Any, region_plan: RegionPlan) -> PageSealer | None:
@@ -562,7 +600,12 @@ class TritonTieringOffloadingSpec(TritonWorkerSide, TieringOffloadingSpec):  # t
         # fs folder, the obj key prefix, the p2p peer fingerprint) hashes the
         # config's KV dtype: tagging it with this layout files these rows apart
         # from stock vLLM's chunks and from other geometries, in every such tier.
-        self.storage_layout = storage_layout_tag(self)
+        # The plane part names the workers' published plane arrangement.
+        parallel = self.config.parallel
+        self.storage_layout = (
+            f"{storage_layout_tag(self)}:"
+            f"{planes_tag(str(self.config.engine_id), int(parallel.world_size))}"
+        )
         model = self.config.model
         self.config = dataclasses.replace(
             self.config,

@@ -10,11 +10,21 @@ is accepted (it shares chunks with stock instances, which write the same bytes).
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
+import tempfile
 from collections.abc import Mapping
 from typing import Any
 
 from triton_offload.transfer.layout import ROW_LAYOUT_VERSION
+from triton_offload.transfer.seal import digest8
 from triton_offload.vllm.compat import logger
+
+#: Where workers publish their plane arrangement for the scheduler (beside vLLM's region).
+LAYOUT_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+#: The tag's plane part when no worker of the engine published its planes (yet).
+PLANES_UNPUBLISHED = "planes-unpublished"
 
 #: Secondary tiers whose storage identity is vLLM's ``FileMapper`` fields (the fs folder,
 #: the obj key prefix, the p2p peer fingerprint), which carry this spec's layout tag, or
@@ -53,6 +63,43 @@ def storage_layout_tag(spec: Any) -> str:
     if kv_cache_layout:
         parts.append(f"kv-{kv_cache_layout}")
     return ":".join(parts)
+
+
+def layout_note_path(engine_id: str, rank: int) -> str:
+    """The file in which worker ``rank`` of ``engine_id`` publishes its plane arrangement."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", str(engine_id))
+    return os.path.join(LAYOUT_DIR, f"triton_offload_planes_{safe}_rank{int(rank)}.txt")
+
+
+def publish_planes(engine_id: str, rank: int, description: str) -> str:
+    """Write a worker's plane arrangement (atomically: a reader sees all of it or none)."""
+    path = layout_note_path(engine_id, rank)
+    temporary = f"{path}.{os.getpid()}.tmp"
+    with open(temporary, "w") as handle:
+        handle.write(description)
+    os.replace(temporary, path)
+    return path
+
+
+def withdraw_planes(path: str | None) -> None:
+    if path:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def planes_tag(engine_id: str, world_size: int) -> str:
+    """The tag's plane part: a digest of every worker's published plane arrangement
+    (two planes of K and V and one fused plane of the same bytes differ here), or
+    :data:`PLANES_UNPUBLISHED` when some worker has not published (the scheduler runs
+    before the workers only outside vLLM's engine, which registers the caches first)."""
+    descriptions = []
+    for rank in range(max(1, int(world_size))):
+        try:
+            with open(layout_note_path(engine_id, rank)) as handle:
+                descriptions.append(handle.read())
+        except FileNotFoundError:
+            return PLANES_UNPUBLISHED
+    return "planes-" + digest8("\n".join(descriptions)).hex()
 
 
 def check_secondary_tiers(tiers: Any, spec_name: str, *, canonical: bool = False) -> None:

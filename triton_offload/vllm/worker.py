@@ -22,6 +22,7 @@ from triton_offload.vllm.compat import logger, supported_vllm_api
 from triton_offload.vllm.convert import split_job
 from triton_offload.vllm.integrity import spec_keys
 from triton_offload.vllm.region import check_ledger_job_id, release_region, wait_until
+from triton_offload.vllm.tiers import withdraw_planes
 
 with supported_vllm_api():
     from vllm.v1.kv_offload.base import GPULoadStoreSpec, OffloadingWorker, TransferResult
@@ -102,6 +103,7 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
         cuda_api: Any = None,
         replicated_store_timeout_s: float = 60.0,
         sealer: PageSealer | None = None,
+        planes_note: str | None = None,
     ) -> None:
         self.engine = engine
         self.num_groups = num_groups
@@ -123,6 +125,7 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
         self._ready: list[Any] = []  # engine results drained by wait()
         #: Seals this worker's pages (None: verification off, or nothing to seal).
         self.sealer = sealer
+        self._planes_note = planes_note  # this worker's published planes (tiering spec)
         self._to_seal: dict[Any, list[tuple[int, int, Any]]] = {}  # store job -> chunks
         # Load job -> (its JobSpec, the failed chunks found before the copy).
         self._loads: dict[Any, tuple[JobSpec, list[tuple[int, int, Any, str]]]] = {}
@@ -389,6 +392,8 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
             if self.region is not None:
                 release_region(self.region, self._cuda_api)
                 self.region = None
+            withdraw_planes(self._planes_note)
+            self._planes_note = None
 
 
 __all__ = ["TritonOffloadingWorker"]
