@@ -349,6 +349,13 @@ class _FailSoftWorker:
         self._refused: list[Any] = []
 
     def _submit(self, what: str, job_id: int, call: Any) -> bool:
+        in_flight = getattr(self.worker, "_in_flight", None)
+        if in_flight is not None and job_id in in_flight():
+            # vLLM submits its deferred jobs in a loop it clears afterwards: after an
+            # interrupt cut the loop it submits them again. A job already running (or
+            # lost to the interrupt and reported failed) is not started twice.
+            logger.debug("%s: %s job %r is already in flight", CONNECTOR_NAME, what, job_id)
+            return True
         try:
             accepted = bool(call())
         except Exception:  # a job that cannot run fails; the engine keeps serving

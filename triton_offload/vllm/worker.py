@@ -194,8 +194,8 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
             deadline = time.monotonic() + self.replicated_store_timeout_s
             self._replica_jobs[job_id] = (chunks, deadline)
             return True
-        accepted = bool(self.engine.submit_store(job_id, job))
-        if accepted:
+
+        def register() -> None:
             self._engine_jobs.add(job_id)
             if chunks is not None:
                 self._published[job_id] = chunks
@@ -204,6 +204,32 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
                 self._to_seal[job_id] = [
                     (chunk, group, key_digest(key)) for group, _, chunk, key in entries
                 ]
+
+        def unregister() -> None:
+            self._engine_jobs.discard(job_id)
+            self._published.pop(job_id, None)
+            self._to_seal.pop(job_id, None)
+
+        return self._engine_submit(
+            lambda: self.engine.submit_store(job_id, job), register, unregister
+        )
+
+    @staticmethod
+    def _engine_submit(submit: Any, register: Any, unregister: Any) -> bool:
+        """Submit with the job's books opened first: a job the engine took and then lost
+        to an interrupt is still reported (failed) and still counts as in flight, so a
+        caller that re-submits it after the interrupt is told so instead of starting it
+        twice. A refused or invalid job leaves no books."""
+        register()
+        try:
+            accepted = bool(submit())
+        except (KeyboardInterrupt, SystemExit):
+            raise  # the engine reports the job failed: its books wait for that result
+        except BaseException:
+            unregister()
+            raise
+        if not accepted:
+            unregister()
         return accepted
 
     def submit_load(
@@ -218,11 +244,20 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
             self._empty_jobs.append(TransferResult(job_id, True, 0, 0.0))
             return True
         bad = self._verify_load(job, spec_keys(src_spec)) if self.sealer is not None else []
-        accepted = bool(self.engine.submit_load(job_id, job, expedited=bool(expedited)))
-        if accepted:
+
+        def register() -> None:
             self._engine_jobs.add(job_id)
             self._loads[job_id] = (job, bad)
-        return accepted
+
+        def unregister() -> None:
+            self._engine_jobs.discard(job_id)
+            self._loads.pop(job_id, None)
+
+        return self._engine_submit(
+            lambda: self.engine.submit_load(job_id, job, expedited=bool(expedited)),
+            register,
+            unregister,
+        )
 
     def _verify_load(
         self, job: JobSpec, keys: tuple[bytes, ...] | None
