@@ -228,12 +228,23 @@ class Engine:
             ]
         return sampled
 
-    def step(self) -> None:
+    def step(self) -> int:
+        """One engine step; returns the number of tokens it scheduled."""
         output = self.scheduler.schedule()
+        self.start(output)
+        return self.finish(output)
+
+    def start(self, output: Any) -> None:
+        """A step's worker side before the model runs: vLLM submits the stores deferred
+        from the last step (``handle_preemptions``, ``start_load_kv``) and the loads."""
         meta = output.kv_connector_metadata
         self.worker.handle_preemptions(meta)
         self.worker.bind_connector_metadata(meta)
         self.worker.start_load_kv(self.context)
+
+    def finish(self, output: Any) -> int:
+        """The rest of a step: the model, the transfer reports, the scheduler's update;
+        returns the number of tokens the step scheduled."""
         scheduled = self._compute(output)
         self.worker.wait_for_save()
         results = self.worker.get_transfer_results(output.finished_req_ids)
@@ -265,16 +276,27 @@ class Engine:
             for out in outputs.outputs:
                 if out.finish_reason is not None:
                     self.finished[out.request_id] = out.finish_reason
+        return int(output.total_num_scheduled_tokens)
 
-    def run(self, request: Any, steps: int = 40) -> list[list[torch.Tensor]]:
+    def run(
+        self, request: Any, steps: int = 40, timeout_s: float = 20.0
+    ) -> list[list[torch.Tensor]]:
         """Step until ``request`` finished and no transfer is in flight; its KV per group
-        and block as the model saw it in its last step."""
-        for _ in range(steps):
-            self.step()
+        and block as the model saw it in its last step. ``steps`` bounds the steps that
+        scheduled tokens; steps that scheduled none (a request waiting for a tier's
+        promotion or a load) count against ``timeout_s`` instead."""
+        deadline = time.monotonic() + timeout_s
+        while steps > 0:
+            if self.step():
+                steps -= 1
+            elif time.monotonic() > deadline:
+                break
+            else:
+                time.sleep(0.002)
             done = request.request_id in self.finished
             if done and not self.connector_scheduler._jobs and not self.scheduler.requests:
                 return self.snapshots[request.request_id]
-        raise AssertionError(f"request {request.request_id} did not finish in {steps} steps")
+        raise AssertionError(f"request {request.request_id} did not finish")
 
     def expected(self, tokens: list[int]) -> list[list[torch.Tensor]]:
         """A cold run's KV for the prompt positions, per group and block."""
