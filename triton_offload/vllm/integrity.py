@@ -246,36 +246,53 @@ class ChunkGuard:
         tier._triton_watched = True
 
     def _checked_promotion(self, manager: Any, tier: Any, result: Any) -> Any:
+        """The tier's result for a finished job, with every promoted chunk checked: a
+        chunk whose seal fails is taken out of the job's successful keys (vLLM's tiering
+        manager then frees it) and quarantined. With seals, a key of a job the tier
+        reported failed as a whole (a short read of another file) whose row verifies is
+        kept: its bytes are provably the chunk's."""
         job = manager._jobs.get(result.job_id)
         if job is None or not job.transfer_job.is_promotion:
             return result
         transfer = job.transfer_job
-        keys = list(transfer.keys)
-        loaded = keys if result.success else list(result.successful_keys or ())
-        unread = [bytes(key) for key in keys if key not in set(loaded)]
-        if unread:
-            # The tier could not read them (a short file, a peer gone): its lookup would
-            # offer them again at once, and a request waiting on them would loop.
-            for key in unread:
-                self.report(key, f"secondary tier {tier.tier_type!r}", "the tier failed to read it")
-            with self._lock:
-                self.quarantined.update(unread)
-        if not loaded:
-            return result
+        keys = [bytes(key) for key in transfer.keys]
         chunk_of = dict(zip(keys, (int(c) for c in transfer.chunk_ids), strict=True))
-        bad: list[bytes] = []
-        for key in loaded:
-            problem = self.promotion_problem(chunk_of[key], bytes(key))
-            if problem is not None:
-                bad.append(bytes(key))
-                self.report(bytes(key), f"secondary tier {tier.tier_type!r}", problem)
-        if not bad:
-            return result
+        where = f"secondary tier {tier.tier_type!r}"
+        reported = keys if result.success else [bytes(k) for k in result.successful_keys or ()]
+        unread = [key for key in keys if key not in set(reported)]
+        candidates = list(reported)
+        if self.digest is not None:
+            # What the tier did write may still be whole: the seal says.
+            candidates += unread
+        good, bad, lost = [], [], []
+        for key in candidates:
+            problem = self.promotion_problem(chunk_of[key], key)
+            if problem is None:
+                good.append(key)
+            elif key in unread:
+                lost.append(key)
+                self.report(key, where, f"the tier failed to read it ({problem})")
+            else:
+                bad.append(key)
+                self.report(key, where, problem)
+        if self.digest is None:
+            lost = unread
+            for key in lost:
+                self.report(key, where, "the tier failed to read it")
+        if bad or lost:
+            # Quarantined: the tier's lookup would offer them again at once, and a
+            # request waiting on them would loop.
+            with self._lock:
+                self.quarantined.update(bad)
+                self.quarantined.update(lost)
         self.promotions_refused += len(bad)
-        with self._lock:
-            self.quarantined.update(bad)
-        good = [key for key in loaded if bytes(key) not in set(bad)]
-        return dataclasses.replace(result, success=False, successful_keys=good)
+        if not bad and not lost:
+            return dataclasses.replace(result, success=True, successful_keys=None)
+        return dataclasses.replace(
+            result,
+            success=False,
+            successful_keys=[key for key in transfer.keys if bytes(key) in set(good)],
+        )
 
 
 def drop_host_chunks(manager: Any, keys: set[bytes]) -> set[bytes]:
