@@ -99,10 +99,14 @@ from triton_offload.vllm.region import (
     worker_pool_view,
 )
 from triton_offload.vllm.tiers import (
+    OWN_ROWS,
     PLANES_UNPUBLISHED,
+    STOCK_ROWS,
     check_secondary_tiers,
     planes_tag,
+    planes_verdict,
     publish_planes,
+    rows_are_stock,
     storage_layout_tag,
     withdraw_planes,
 )
@@ -359,10 +363,22 @@ class TritonWorkerSide:
             # starts after the workers in vLLM's engine): two plane arrangements of one
             # config never share a folder, a key prefix or a peer.
             planes = [] if layout is None else layout.planes
+            stock = not self.sealed_pages and rows_are_stock(
+                [int(t.page_size_bytes) for t in kv_caches.tensors],
+                [
+                    (int(ref.tensor_idx), int(ref.page_size_bytes))
+                    for refs in kv_caches.group_data_refs
+                    for ref in refs
+                ],
+                [(p.pool_offset, p.page_bytes) for p in planes],
+                self.blocks_per_chunk,
+            )
             self._planes_note = publish_planes(
                 str(self.config.engine_id),
                 rank,
-                layout_description(
+                (STOCK_ROWS if stock else OWN_ROWS)
+                + "\n"
+                + layout_description(
                     [(p.group, p.pool_offset, p.page_bytes) for p in planes],
                     self.blocks_per_chunk,
                     ROW_LAYOUT_VERSION,
@@ -586,6 +602,9 @@ class TritonTieringOffloadingSpec(TritonWorkerSide, TieringOffloadingSpec):  # t
     _tiering_region = True
     _honours_canonical_layout = True
     storage_layout: str | None = None
+    #: The default layout's rows proved stock vLLM's bytes (verification off, every
+    #: worker's planes where vLLM's CPU worker puts them): vLLM's own storage names.
+    shares_stock_rows = False
 
     def __init__(self, config: Any) -> None:
         check_secondary_tiers(
@@ -596,12 +615,19 @@ class TritonTieringOffloadingSpec(TritonWorkerSide, TieringOffloadingSpec):  # t
         super().__init__(config)
         if self.stock_rows:
             return  # vLLM's bytes under vLLM's names: shared with stock instances
+        parallel = self.config.parallel
+        engine_id = str(self.config.engine_id)
+        if not self.sealed_pages and planes_verdict(engine_id, int(parallel.world_size)):
+            # Every worker published rows that are vLLM's CPU worker's bytes (one plane
+            # per cache tensor at vLLM's offsets, no seal): vLLM's own names, so stock
+            # instances of the same configuration share these chunks.
+            self.shares_stock_rows = True
+            return
         # Every secondary tier that names its storage with vLLM's FileMapper (the
         # fs folder, the obj key prefix, the p2p peer fingerprint) hashes the
         # config's KV dtype: tagging it with this layout files these rows apart
         # from stock vLLM's chunks and from other geometries, in every such tier.
         # The plane part names the workers' published plane arrangement.
-        parallel = self.config.parallel
         self.storage_layout = (
             f"{storage_layout_tag(self)}:"
             f"{planes_tag(str(self.config.engine_id), int(parallel.world_size))}"

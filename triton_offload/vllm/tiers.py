@@ -87,6 +87,54 @@ def withdraw_planes(path: str | None) -> None:
             os.unlink(path)
 
 
+#: First line of a worker's planes note: its rows are stock vLLM's bytes, or its own.
+STOCK_ROWS, OWN_ROWS = "rows=stock", "rows=own"
+
+
+def stock_row_offsets(tensor_pages: list[int], blocks_per_chunk: int) -> list[int]:
+    """Where vLLM's CPU worker puts each cache tensor in a worker page (its default,
+    non-canonical layout): the tensors' chunk areas one after another, tensor ``t`` at
+    the sum of ``page_bytes * blocks_per_chunk`` of the tensors before it."""
+    offsets, offset = [], 0
+    for page in tensor_pages:
+        offsets.append(offset)
+        offset += page * blocks_per_chunk
+    return offsets
+
+
+def rows_are_stock(
+    tensor_pages: list[int],
+    refs: list[tuple[int, int]],
+    planes: list[tuple[int, int]],
+    blocks_per_chunk: int,
+) -> bool:
+    """Whether this worker's rows are byte for byte what vLLM's CPU worker writes:
+    ``refs`` are the ``(tensor index, page bytes)`` of every data ref in order (one per
+    plane), ``planes`` the ``(pool offset, page bytes)`` of this project's planes. True
+    only when every tensor has exactly one ref copying its whole page and each plane
+    sits where vLLM puts its tensor (no alignment gap, no padding)."""
+    if len(refs) != len(planes) or sorted(t for t, _ in refs) != list(range(len(tensor_pages))):
+        return False
+    stock = stock_row_offsets(tensor_pages, blocks_per_chunk)
+    for (tensor, ref_page), (offset, page) in zip(refs, planes, strict=True):
+        if ref_page != tensor_pages[tensor] or page != ref_page or offset != stock[tensor]:
+            return False
+    return True
+
+
+def planes_verdict(engine_id: str, world_size: int) -> bool | None:
+    """True when every worker of the engine published stock rows, False when any
+    published its own, None when some worker has not published."""
+    verdicts = []
+    for rank in range(max(1, int(world_size))):
+        try:
+            with open(layout_note_path(engine_id, rank)) as handle:
+                verdicts.append(handle.readline().strip() == STOCK_ROWS)
+        except FileNotFoundError:
+            return None
+    return all(verdicts)
+
+
 def planes_tag(engine_id: str, world_size: int) -> str:
     """The tag's plane part: a digest of every worker's published plane arrangement
     (two planes of K and V and one fused plane of the same bytes differ here), or
@@ -137,4 +185,14 @@ def check_secondary_tiers(tiers: Any, spec_name: str, *, canonical: bool = False
             )
 
 
-__all__ = ["TAGGED_TIERS", "UNTAGGABLE_TIERS", "check_secondary_tiers", "storage_layout_tag"]
+__all__ = [
+    "OWN_ROWS",
+    "STOCK_ROWS",
+    "TAGGED_TIERS",
+    "UNTAGGABLE_TIERS",
+    "check_secondary_tiers",
+    "planes_verdict",
+    "rows_are_stock",
+    "stock_row_offsets",
+    "storage_layout_tag",
+]
