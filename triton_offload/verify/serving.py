@@ -513,6 +513,10 @@ class OffloadServer:
         # One job per run of consecutive chunks (the k-th run of every group together).
         runs = {g: _runs(chunks) for g, chunks, _ in granted}
         rows = {g: dict(zip(chunks, handle.rows, strict=True)) for g, chunks, handle in granted}
+        digests = {
+            g: dict(zip(chunks, map(key_digest, handle.keys), strict=True))
+            for g, chunks, handle in granted
+        }
         success = True
         total = 0
         for k in range(max((len(r) for r in runs.values()), default=0)):
@@ -537,10 +541,10 @@ class OffloadServer:
                     continue
                 # The copy finished: seal its chunks on this rank (as vLLM's worker does
                 # before it reports a store), each under its key.
-                for g, (lo, top) in ((g, r[k]) for g, r in runs.items() if k < len(r)):
-                    keys = self._keys(prompt, g)
-                    for c in range(lo, top):
-                        self.sealers[rank].seal(rows[g][c], g, key_digest(keys[c]))
+                for g, group_runs in runs.items():
+                    if k < len(group_runs):
+                        for c in range(*group_runs[k]):
+                            self.sealers[rank].seal(rows[g][c], g, digests[g][c])
         for _, _, handle in granted:
             self.manager.complete_store(handle, success=success)
         return total, stored
