@@ -150,6 +150,37 @@ def test_clear_forgets_everything_but_not_while_in_flight() -> None:
     assert manager.num_free_rows == 2
 
 
+def test_drop_frees_stored_rows_but_not_rows_in_use() -> None:
+    manager = HostBlockManager(5)
+    stored = _store(manager, ["a", "b", "c"])
+    _store(manager, ["a"], group=1)
+    load = manager.prepare_load(["c"], 0)
+    pending = manager.prepare_store(["d"], 0)
+    assert pending is not None
+    # "x" is unknown (ignored); "c" is being loaded and "d" stored: both stay, returned.
+    assert manager.drop(["d", "a", "x", "c"], 0) == ["d", "c"]
+    assert manager.lookup(["a", "b", "c"], 0) == [False, True, True]
+    assert manager.row_of("a", 0) is None
+    assert manager.lookup(["a"], 1) == [True]  # another group's chunk of that key stays
+    assert manager.num_free_rows == 1  # of 5 rows: b, c, d, group 1's a in use
+    with pytest.raises(ValueError, match="'a' of group 0 is not stored"):
+        manager.prepare_load(["a"], 0)
+    # Once the load and the store finished, they can be dropped too.
+    manager.complete_load(load)
+    manager.complete_store(pending, success=True)
+    assert manager.drop(["c", "d"], 0) == []
+    assert manager.lookup(["b", "c", "d"], 0) == [True, False, False]
+    assert manager.num_free_rows == 3
+    # A dropped key is stored afresh (not skipped as already stored), into a free row.
+    again = _store(manager, ["a"])
+    assert again.keys == ("a",) and again.evicted == ()
+    assert set(again.rows) <= set(stored.rows) | {pending.rows[0]}
+    with pytest.raises(TypeError, match="sequence of chunk keys"):
+        manager.drop("a", 0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="-1"):
+        manager.drop(["a"], -1)
+
+
 @pytest.mark.parametrize("num_rows", [0, -3])
 def test_bad_num_rows(num_rows: int) -> None:
     with pytest.raises(ValueError, match=str(num_rows)):

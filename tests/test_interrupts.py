@@ -185,7 +185,7 @@ def test_bench_interrupted_from_outside(complete_bench: Path, tmp_path: Path) ->
 
 @pytest.mark.parametrize(
     ("signal_at", "finished"),
-    [("start-up@1", 0), ("scenarios@3", 2), ("report@1", 7)],
+    [("start-up@1", 0), ("scenarios@3", 2), ("report@1", 8)],
 )  # start-up: cut before the scenarios were built
 def test_verify_interrupted_in_a_phase_keeps_what_it_ran(
     signal_at: str, finished: int, complete_verify: Path, tmp_path: Path
@@ -196,7 +196,7 @@ def test_verify_interrupted_in_a_phase_keeps_what_it_ran(
     done = _cli([*VERIFY, "--out", str(out)], signal_at)
     assert done.returncode == 130, done.stderr
     line = _one_interrupt_line(done, "verify", "SIGINT")
-    assert (f"{finished} of 7 scenarios finished" if finished else "no scenario ran") in line
+    assert (f"{finished} of 8 scenarios finished" if finished else "no scenario ran") in line
     after = _snapshot(out)
     assert after["verify.json"] == before["verify.json"]
     payload = json.loads(after["verify.partial.json"])
@@ -209,7 +209,7 @@ def test_verify_interrupted_without_out_prints_the_finished_rows() -> None:
     done = _cli(VERIFY, "scenarios@3")
     assert done.returncode == 130, done.stderr
     line = _one_interrupt_line(done, "verify", "SIGINT")
-    assert line.endswith("2 of 7 scenarios finished; partial table on stdout")
+    assert line.endswith("2 of 8 scenarios finished; partial table on stdout")
     assert "PARTIAL (interrupted by SIGINT during the scenarios" in done.stdout
     rows = [line for line in done.stdout.splitlines() if line.startswith("mamba-tiny/")]
     assert len(rows) == 2 and all(row.endswith(" ok") for row in rows), done.stdout

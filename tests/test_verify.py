@@ -31,8 +31,9 @@ def matrix() -> dict[str, ScenarioResult]:
 
 
 def test_full_matrix_is_bitwise_equal(matrix: dict[str, ScenarioResult]) -> None:
-    # Seven prompts per preset, DCP and chunk size, plus one mamba-chunk-cut per DCP.
-    assert len(matrix) == len(PRESETS) * 2 * 2 * 7 + 2
+    # Seven prompts per preset, DCP and chunk size, one corrupt-chunk per preset and DCP,
+    # plus one mamba-chunk-cut per DCP.
+    assert len(matrix) == len(PRESETS) * 2 * 2 * 7 + len(PRESETS) * 2 + 2
     failures = [r.failure for r in matrix.values() if not r.passed]
     assert failures == []
     for r in matrix.values():
@@ -133,7 +134,8 @@ def test_cli_prints_the_table_and_exits_zero(capsys: pytest.CaptureFixture[str])
     assert status == 0, out
     assert "max |diff|" in out and "recomputed" in out
     assert "mamba-hybrid-tiny/dcp2/bpc1/several" in out
-    assert "all 8 scenarios equal" in out  # seven prompts + mamba-chunk-cut
+    assert "refused" in out and "mamba-hybrid-tiny/dcp2/bpc1/corrupt-chunk" in out
+    assert "all 9 scenarios equal" in out  # seven prompts + corrupt-chunk + mamba-chunk-cut
 
 
 # Each injected bug on a matrix slice where it must show; the same slice passes without it.
@@ -146,6 +148,8 @@ INJECTED = [
      "swa-mamba-hybrid-tiny/dcp1/bpc2/boundary"),
     ("vllm-lookup", ["--preset", "mamba-hybrid-tiny", "--dcp", "1", "--blocks-per-chunk", "1"],
      "mamba-hybrid-tiny/dcp1/bpc1/mamba-chunk-cut"),
+    ("no-seal-check", ["--preset", "mamba-hybrid-tiny", "--dcp", "2", "--blocks-per-chunk", "1"],
+     "mamba-hybrid-tiny/dcp2/bpc1/corrupt-chunk"),
 ]  # fmt: skip
 
 

@@ -78,11 +78,12 @@ def test_memory_is_checked_before_any_scenario_runs(
 def test_needed_bytes_counts_caches_and_pools_by_hand() -> None:
     """mamba-tiny, DCP 1, 1 block per chunk, one 16-token prompt + 8 new tokens: 24
     tokens -> 2 blocks per rank, doubled: 4 blocks; a Mamba page is (3 x 32 + 32 x 8)
-    float32 = 1408 B; 2 layers; the pool has 512 rows of one chunk of both layers."""
+    float32 = 1408 B; 2 layers; the pool has 512 pages of one chunk of both layers and
+    its 64-byte seal."""
     scenario = serving.Scenario("s", "mamba-tiny", 1, 1, 16, 16)
     page = (3 * 32 + 32 * 8) * 4
     cache = 4 * 2 * page
-    pool = 512 * 2 * page
+    pool = 512 * (2 * page + 64)
     assert needed_bytes([scenario], 8) == cache + pool
 
 

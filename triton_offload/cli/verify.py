@@ -4,9 +4,11 @@ For every model preset, DCP size and chunk size, prompts placed around the chunk
 (on a boundary, one token after, one before, shorter than a chunk, several chunks, an
 extension of a stored prompt, and one with the host pool cleared in between) run once
 cold (storing) and once after clearing the GPU cache (looking up, loading, recomputing
-the rest). The table shows what the lookup allowed, what was loaded and recomputed,
-and whether generated tokens and logits equal the cold run's; the exit status is 1 if
-any scenario differs.
+the rest); per preset and DCP size, ``corrupt-chunk`` alters one stored chunk's bytes
+before the hit, and the load must refuse it (its seal) and recompute from it. The table
+shows what the lookup allowed, what was loaded and recomputed, the chunks refused, and
+whether generated tokens and logits equal the cold run's; the exit status is 1 if any
+scenario differs.
 """
 
 from __future__ import annotations
@@ -121,7 +123,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         help="testing aid, makes verify fail on purpose: mamba-span-dcp (Mamba span "
         "multiplied by DCP), no-mamba-round-down (Mamba planned as a sliding window, no "
         "round-down), wrong-slot (load jobs with rotated GPU blocks), vllm-lookup (vLLM "
-        "0.33's stock lookup rule; fails the mamba-chunk-cut scenarios)",
+        "0.33's stock lookup rule; fails the mamba-chunk-cut scenarios), no-seal-check "
+        "(loads skip the seal check; fails the corrupt-chunk scenarios)",
     )
     parser.add_argument(
         "--out",
@@ -155,9 +158,11 @@ def _prepare_backend(backend: str) -> str | None:
 
 def needed_bytes(scenarios: Sequence[Scenario], max_new_tokens: int) -> int:
     """Bytes the largest server of a run allocates: every rank's cache tensors (float32)
-    and every rank's host pool (``num_host_rows`` rows of the longest group row)."""
+    and every rank's host pool (``num_host_rows`` pages: the longest group row and the
+    seal)."""
     import inspect
 
+    from triton_offload.transfer.seal import SEAL_BYTES
     from triton_offload.verify.model import ModelConfig
     from triton_offload.verify.serving import PRESETS as LAYERS
     from triton_offload.verify.serving import OffloadServer
@@ -177,7 +182,7 @@ def needed_bytes(scenarios: Sequence[Scenario], max_new_tokens: int) -> int:
         page = {kind: mamba if kind == "mamba" else attention for kind in c.layers}
         cache = dcp * blocks * sum(page[kind] for kind in c.layers)
         row = max(bpc * page[kind] * c.layers.count(kind) for kind in c.group_kinds)
-        largest = max(largest, cache + dcp * rows * ((row + 15) // 16 * 16))
+        largest = max(largest, cache + dcp * rows * ((row + 15) // 16 * 16 + SEAL_BYTES))
     return largest
 
 
@@ -222,6 +227,7 @@ def format_table(results: Sequence[ScenarioResult]) -> str:
         "loaded",
         "recomputed",
         "load bytes",
+        "refused",
         "tokens equal",
         "logits equal",
         "max |diff|",
@@ -238,6 +244,7 @@ def format_table(results: Sequence[ScenarioResult]) -> str:
                 str(r.loaded_tokens),
                 str(r.recomputed_tokens),
                 str(r.load_bytes),
+                str(r.refused_chunks),
                 "yes" if r.tokens_equal else "NO",
                 "yes" if r.logits_equal else "NO",
                 f"{r.max_abs_diff:.3g}",

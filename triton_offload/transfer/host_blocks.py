@@ -17,6 +17,7 @@ Row life cycle::
                                     --complete_store(False)-> free
     stored --prepare_load--> stored, refcount + 1 --complete_load--> refcount - 1
     stored, refcount 0 --evicted by a later prepare_store--> storing (new key)
+    stored, refcount 0 --drop--> free
 
 A row being stored (not yet completed) or loaded (refcount > 0) is never evicted
 and never handed out to another store, so a transfer in flight cannot have its row
@@ -290,6 +291,30 @@ class HostBlockManager:
             for key in checked:
                 if (key, group) in self._entries:
                     self._entries.move_to_end((key, group))
+
+    def drop(self, keys: Sequence[Hashable], group: int) -> list[Hashable]:
+        """Forget stored chunks whose host bytes must not be read again (a chunk refused by
+        its seal, say): their rows return to the free list at once, and ``lookup`` reports
+        them absent, so a later store writes them afresh.
+
+        Keys that are not stored are ignored. A chunk whose store is still in flight or
+        that a load holds (its row is in use) stays; such keys are returned, in the order
+        given, for the caller to drop again once that finished.
+        """
+        self._check_group(group)
+        checked = _checked_keys(keys)
+        with self._lock:
+            busy = []
+            for key in checked:
+                entry = self._entries.get((key, group))
+                if entry is None:
+                    continue
+                if not entry.ready or entry.refcount > 0:
+                    busy.append(key)
+                    continue
+                del self._entries[(key, group)]
+                self._recycled.append(entry.row)
+            return busy
 
     def clear(self) -> None:
         """Forget every stored chunk and free all rows.

@@ -9,6 +9,15 @@ then runs a second request (the same prompt or an extension of it) that looks up
 what the lookup allows, recomputes the rest and decodes; its tokens and logits must be
 bitwise those of a cold run.
 
+Host pages are sealed as vLLM's worker seals them (:mod:`triton_offload.transfer.seal`):
+each pool row is one page, the engine's row followed by a 64-byte seal written after the
+store's copy finished (the chunk key's digest, the config and row-layout digests, the
+rank's page index, the payload's CRC-32). Every chunk a load needs is checked on every
+rank before any byte moves; a refused chunk is dropped from the ``HostBlockManager``,
+marked absent, and the planner's lookup on what remains gives the hit to load (the hit
+stays valid: the load stops before the first refused position, on the Mamba grid). The
+``corrupt-chunk`` scenarios flip one byte of a stored chunk to see it happen.
+
 Testing aids (``inject=``) re-create known bugs so that a check that must fail can be
 seen failing:
 
@@ -26,6 +35,9 @@ seen failing:
   stock rule rounds the hit down to the Mamba grid once, the attention gap cuts it
   inside a Mamba chunk, and the state after that chunk's last token is restored at
   the cut.
+- ``no-seal-check``: chunks are sealed but loads never check the seals, so the
+  ``corrupt-chunk`` scenarios load the altered bytes (their logits then differ: the
+  scenario cannot pass without the check).
 """
 
 from __future__ import annotations
@@ -44,8 +56,17 @@ import torch
 from triton_offload.planner.groups import GroupKind, GroupSpec, ParallelSpec
 from triton_offload.planner.plan import OffloadPlan, plan_offload
 from triton_offload.planner.presets import PRESETS as MODEL_PRESETS
-from triton_offload.transfer.host_blocks import HostBlockManager, StoreHandle
+from triton_offload.transfer.host_blocks import HostBlockManager, LoadHandle, StoreHandle
 from triton_offload.transfer.jobs import JobSpec
+from triton_offload.transfer.layout import ROW_LAYOUT_VERSION, CacheLayout, build_layout
+from triton_offload.transfer.seal import (
+    SEAL_BYTES,
+    PageSealer,
+    SealFormat,
+    digest8,
+    key_digest,
+    layout_description,
+)
 from triton_offload.verify.model import HybridCache, HybridModel, ModelConfig, RequestBlocks
 from triton_offload.verify.stock_lookup import stock_groups, vllm_stock_hit
 
@@ -56,6 +77,7 @@ __all__ = [
     "INJECTIONS",
     "PRESETS",
     "OffloadServer",
+    "Refusal",
     "RequestResult",
     "Scenario",
     "ScenarioResult",
@@ -65,7 +87,13 @@ __all__ = [
     "run_scenarios",
 ]
 
-INJECTIONS = ("mamba-span-dcp", "no-mamba-round-down", "wrong-slot", "vllm-lookup")
+INJECTIONS = (
+    "mamba-span-dcp",
+    "no-mamba-round-down",
+    "wrong-slot",
+    "vllm-lookup",
+    "no-seal-check",
+)
 
 #: Model presets: layer stacks of the verification model, the ``-tiny`` presets of the
 #: package's preset table (``mamba-hybrid-tiny``: full attention + Mamba, the DCP/Mamba
@@ -146,6 +174,20 @@ def chunk_keys(tokens: Sequence[int], tokens_per_chunk: int, count: int) -> list
     return keys
 
 
+@dataclass(frozen=True)
+class Refusal:
+    """A chunk a load refused: its seal check failed on ``rank`` (the first rank that
+    failed) for ``problem``; the chunk was dropped from the host pool."""
+
+    group: int
+    chunk: int
+    rank: int
+    problem: str
+
+    def __str__(self) -> str:
+        return f"group {self.group} chunk {self.chunk} (rank {self.rank}): {self.problem}"
+
+
 @dataclass
 class RequestResult:
     """What one request did. ``logits[p]`` are the logits after the token at position p
@@ -155,7 +197,8 @@ class RequestResult:
     generated: list[int]
     logits: dict[int, torch.Tensor]
     lookup_tokens: int = 0  # the planner's answer (0 when the request did no lookup)
-    loaded_tokens: int = 0  # position the prefill resumed at
+    loaded_tokens: int = 0  # position the prefill resumed at (after refused chunks)
+    refused: list[Refusal] = field(default_factory=list)  # chunks whose seal failed
     recomputed_tokens: int = 0  # prompt tokens the model actually ran
     load_bytes: int = 0
     store_bytes: int = 0
@@ -173,7 +216,8 @@ class OffloadServer:
         blocks_per_chunk: GPU blocks per offloaded chunk.
         backend: ``TransferEngine`` backend ("torch", "triton", ...).
         max_tokens: longest request (prompt + generated) to size the GPU caches for.
-        num_host_rows: host pool rows (per rank; the manager's ``num_rows``).
+        num_host_rows: host pool rows (per rank; the manager's ``num_rows``). Each row
+            is one sealed page: the engine's row, then ``SEAL_BYTES``.
         inject: a testing aid from ``INJECTIONS`` (see the module docstring), or None.
     """
 
@@ -211,18 +255,45 @@ class OffloadServer:
         )
         self.cache = HybridCache(config, dcp, self.num_gpu_blocks)
         self.manager = HostBlockManager(num_host_rows)
-        self.engines = [
-            TransferEngine(
+        #: Loads check seals (off only under the ``no-seal-check`` testing aid).
+        self.check_seals = inject != "no-seal-check"
+        self.engines: list[TransferEngine] = []
+        #: Per rank: the host pages, uint8 ``[num_host_rows, row_bytes + SEAL_BYTES]``,
+        #: and their sealer (the engine's pool is each page without its seal).
+        self.pages: list[torch.Tensor] = []
+        self.sealers: list[PageSealer] = []
+        for rank in range(dcp):
+            caches = self.cache.rank_caches(rank)
+            layout = build_layout(caches, num_groups=num_groups, blocks_per_chunk=blocks_per_chunk)
+            pages = torch.zeros(num_host_rows, layout.row_bytes + SEAL_BYTES, dtype=torch.uint8)
+            engine = TransferEngine(
                 self.plan,
-                self.cache.rank_caches(rank),
+                caches,
                 num_host_rows,
                 device="cpu",
                 backend=backend,
+                pool=pages[:, : layout.row_bytes],
             )
-            for rank in range(dcp)
-        ]
+            self.engines.append(engine)
+            self.pages.append(pages)
+            self.sealers.append(
+                PageSealer(
+                    pages.numpy(),
+                    self._seal_format(engine.layout, rank),
+                    engine.layout.group_row_bytes,
+                )
+            )
         self._requests = itertools.count()
         self._jobs = itertools.count()
+
+    def _seal_format(self, layout: CacheLayout, rank: int) -> SealFormat:
+        """What rank ``rank``'s seals say besides the key, as vLLM's worker derives it: a
+        config digest of what the scheduler knows (the model and the plan's geometry), a
+        layout digest of the rank's row layout, and the rank's page of the chunk."""
+        config = digest8(f"triton_offload.verify;{self.config!r};{self.plan!r}")
+        planes = [(p.group, p.pool_offset, p.page_bytes) for p in layout.planes]
+        description = layout_description(planes, self.plan.blocks_per_chunk, ROW_LAYOUT_VERSION)
+        return SealFormat(config, digest8(description), rank, self.dcp)
 
     def close(self) -> None:
         for engine in self.engines:
@@ -241,6 +312,27 @@ class OffloadServer:
     def clear_host(self) -> None:
         """Forget every stored chunk (the pool bytes stay, but no key reaches them)."""
         self.manager.clear()
+
+    def flip_byte(self, prompt: Sequence[int], group: int, chunk: int, rank: int) -> int:
+        """Alter a stored chunk's host bytes, as a bad host page or tier would: every bit
+        of one byte of rank ``rank``'s page of chunk ``chunk`` of ``group`` is flipped.
+        Returns the byte's offset in the page.
+
+        The byte is the highest of the middle float32 value of the group's first plane,
+        slot 0 (sign and exponent: the model reads it, and its value changes by far more
+        than rounding). ValueError if the chunk is not stored.
+        """
+        keys = self._keys(prompt, group)
+        if not 0 <= chunk < len(keys):
+            raise ValueError(f"chunk {chunk} of group {group} is not a full chunk of the prompt")
+        row = self.manager.row_of(keys[chunk], group)
+        if row is None:
+            raise ValueError(f"chunk {chunk} of group {group} is not stored: nothing to alter")
+        layout = self.engines[rank].layout
+        plane = layout.planes[layout.group_planes[group][0]]
+        offset = plane.pool_offset + plane.page_bytes // 2 // 4 * 4 + 3
+        self.pages[rank][row, offset] ^= 0xFF
+        return offset
 
     # ------------------------------------------------------------------ one request
     def run(
@@ -268,10 +360,10 @@ class OffloadServer:
         result = RequestResult(prompt_len=n, generated=[], logits={})
         resume = 0
         if lookup:
-            hit = self._lookup(prompt)
+            present = self._present(prompt)
+            hit = self._hit(len(prompt), present)
             result.lookup_tokens = hit
-            if hit:
-                result.load_bytes = self._load(prompt, hit, blocks)
+            hit, result.load_bytes, result.refused = self._load(prompt, hit, blocks, present)
             # Without a windowed group a hit may cover the whole prompt; the last token
             # is still computed for its logits (its KV is rewritten with the same bytes).
             resume = min(hit, n - 1)
@@ -314,44 +406,90 @@ class OffloadServer:
         tpc = self.plan.groups[group].tokens_per_chunk
         return chunk_keys(prompt, tpc, len(prompt) // tpc)
 
-    def _lookup(self, prompt: Sequence[int]) -> int:
-        present = [
-            self.manager.lookup(self._keys(prompt, g), g) for g in range(len(self.plan.groups))
-        ]
+    def _present(self, prompt: Sequence[int]) -> list[list[bool]]:
+        """Per group, which of the prompt's full chunks the host pool holds."""
+        return [self.manager.lookup(self._keys(prompt, g), g) for g in range(len(self.plan.groups))]
+
+    def _hit(self, num_tokens: int, present: list[list[bool]]) -> int:
         if self.inject == "vllm-lookup":
             groups, mamba_align = stock_groups(self.plan)
-            return vllm_stock_hit(groups, mamba_align, len(prompt), 0, present)
-        return self.plan.lookup(len(prompt), 0, present)
+            return vllm_stock_hit(groups, mamba_align, num_tokens, 0, present)
+        return self.plan.lookup(num_tokens, 0, present)
 
-    def _load(self, prompt: Sequence[int], hit: int, blocks: RequestBlocks) -> int:
+    def _load(
+        self,
+        prompt: Sequence[int],
+        hit: int,
+        blocks: RequestBlocks,
+        present: list[list[bool]],
+    ) -> tuple[int, int, list[Refusal]]:
+        """Load what a hit of ``hit`` tokens reads; returns (hit loaded, bytes, refusals).
+
+        Every chunk the hit reads is checked on every rank, its rows pinned, before any
+        byte moves. A refused chunk is dropped from the pool and marked absent in
+        ``present``, and the lookup runs again on what remains: the same rule gives the
+        largest valid hit without it (one that ends before the chunk's first token, on
+        the Mamba grid), whose chunks are checked in turn.
+        """
+        refusals: list[Refusal] = []
+        while hit:
+            handles: list[tuple[int, int, LoadHandle]] = []
+            try:
+                for g in range(len(self.plan.groups)):
+                    lo, top = self.plan.groups[g].needed_chunks(hit)
+                    keys = self._keys(prompt, g)[lo:top]
+                    if len(keys) != top - lo:
+                        raise RuntimeError(
+                            f"lookup hit of {hit} tokens needs chunks [{lo}, {top}) of group "
+                            f"{g}, beyond the prompt's full chunks"
+                        )
+                    handles.append((g, lo, self.manager.prepare_load(keys, g)))
+                bad = self._refused(handles) if self.check_seals else []
+                if not bad:
+                    return hit, self._submit_load(handles, blocks), refusals
+            finally:
+                for _, _, handle in handles:
+                    self.manager.complete_load(handle)
+            for refusal in bad:  # unpinned now: nothing else holds these rows
+                key = self._keys(prompt, refusal.group)[refusal.chunk]
+                busy = self.manager.drop([key], refusal.group)
+                assert not busy, (refusal, busy)
+                present[refusal.group][refusal.chunk] = False
+            refusals.extend(bad)
+            hit = self._hit(len(prompt), present)
+        return 0, 0, refusals
+
+    def _refused(self, handles: Sequence[tuple[int, int, LoadHandle]]) -> list[Refusal]:
+        """The chunks of a load whose seal fails on some rank (the first such rank)."""
+        bad = []
+        for g, lo, handle in handles:
+            for index, (key, row) in enumerate(zip(handle.keys, handle.rows, strict=True)):
+                digest = key_digest(bytes(key))
+                for rank, sealer in enumerate(self.sealers):
+                    problem = sealer.problem(row, g, digest)
+                    if problem is not None:
+                        bad.append(Refusal(g, lo + index, rank, problem))
+                        break
+        return bad
+
+    def _submit_load(
+        self, handles: Sequence[tuple[int, int, LoadHandle]], blocks: RequestBlocks
+    ) -> int:
+        """One load job per rank for the pinned rows; returns the bytes moved."""
         bpc = self.plan.blocks_per_chunk
-        handles = []
-        try:
-            for g in range(len(self.plan.groups)):
-                lo, top = self.plan.groups[g].needed_chunks(hit)
-                keys = self._keys(prompt, g)[lo:top]
-                if len(keys) != top - lo:
-                    raise RuntimeError(
-                        f"lookup hit of {hit} tokens needs chunks [{lo}, {top}) of group "
-                        f"{g}, beyond the prompt's full chunks"
-                    )
-                handles.append((g, lo, self.manager.prepare_load(keys, g)))
-            total = 0
-            for rank, engine in enumerate(self.engines):
-                groups: list[tuple[list[int], list[int], int]] = []
-                for g, lo, handle in handles:
-                    ids = blocks.block_ids[g][rank][lo * bpc : lo * bpc + len(handle.rows) * bpc]
-                    if self.inject == "wrong-slot" and len(ids) > 1:
-                        ids = ids[1:] + ids[:1]
-                    groups.append((ids, list(handle.rows), lo * bpc))
-                job = ("load", next(self._jobs))
-                if not engine.submit_load(job, JobSpec.from_groups(groups)):
-                    raise RuntimeError(f"rank {rank} engine refused load job {job}")
-                total += _finish(engine, job)
-            return total
-        finally:
-            for _, _, handle in handles:
-                self.manager.complete_load(handle)
+        total = 0
+        for rank, engine in enumerate(self.engines):
+            groups: list[tuple[list[int], list[int], int]] = []
+            for g, lo, handle in handles:
+                ids = blocks.block_ids[g][rank][lo * bpc : lo * bpc + len(handle.rows) * bpc]
+                if self.inject == "wrong-slot" and len(ids) > 1:
+                    ids = ids[1:] + ids[:1]
+                groups.append((ids, list(handle.rows), lo * bpc))
+            job = ("load", next(self._jobs))
+            if not engine.submit_load(job, JobSpec.from_groups(groups)):
+                raise RuntimeError(f"rank {rank} engine refused load job {job}")
+            total += _finish(engine, job)
+        return total
 
     def _store(
         self, prompt: Sequence[int], blocks: RequestBlocks, lost: Collection[tuple[int, int]] = ()
@@ -375,6 +513,10 @@ class OffloadServer:
         # One job per run of consecutive chunks (the k-th run of every group together).
         runs = {g: _runs(chunks) for g, chunks, _ in granted}
         rows = {g: dict(zip(chunks, handle.rows, strict=True)) for g, chunks, handle in granted}
+        digests = {
+            g: dict(zip(chunks, map(key_digest, handle.keys), strict=True))
+            for g, chunks, handle in granted
+        }
         success = True
         total = 0
         for k in range(max((len(r) for r in runs.values()), default=0)):
@@ -396,6 +538,13 @@ class OffloadServer:
                     total += _finish(engine, job)
                 except RuntimeError:
                     success = False
+                    continue
+                # The copy finished: seal its chunks on this rank (as vLLM's worker does
+                # before it reports a store), each under its key.
+                for g, group_runs in runs.items():
+                    if k < len(group_runs):
+                        for c in range(*group_runs[k]):
+                            self.sealers[rank].seal(rows[g][c], g, digests[g][c])
         for _, _, handle in granted:
             self.manager.complete_store(handle, success=success)
         return total, stored
@@ -430,7 +579,8 @@ class Scenario:
     """Request 1 (``first_len`` tokens) stores; request 2 (``second_len`` tokens, same
     prefix) loads. ``clear_host`` empties the host pool in between (every hit must
     become a recompute); ``lost_chunks`` are left out of the store (a pool that lost
-    them)."""
+    them); ``corrupt_chunk`` ``(group, chunk, rank)`` has one byte of that rank's page
+    flipped after the store (the load must refuse it, drop it and recompute from it)."""
 
     name: str
     preset: str
@@ -441,6 +591,7 @@ class Scenario:
     clear_host: bool = False
     mamba_block_size: int = 0  # the model's Mamba block (0: its block_size)
     lost_chunks: tuple[tuple[int, int], ...] = ()  # (group, chunk) the first store skips
+    corrupt_chunk: tuple[int, int, int] | None = None  # (group, chunk, rank) altered
 
 
 @dataclass
@@ -452,6 +603,8 @@ class ScenarioResult:
     loaded_tokens: int = 0
     recomputed_tokens: int = 0
     load_bytes: int = 0
+    refused_chunks: int = 0  # chunks the load refused (their seal failed), dropped
+    refusals: list[str] = field(default_factory=list)  # each refusal: where and why
     tokens_equal: bool = False
     logits_equal: bool = False
     max_abs_diff: float = float("nan")
@@ -467,14 +620,18 @@ class ScenarioResult:
         return f"{self.scenario.name}: " + "; ".join(self.problems) if self.problems else ""
 
 
-def _chunk_tokens(config: ModelConfig, dcp: int, blocks_per_chunk: int) -> int:
-    """The largest chunk of the (correct) plan: prompt lengths are placed around it."""
-    plan = plan_offload(
+def _plan(config: ModelConfig, dcp: int, blocks_per_chunk: int) -> OffloadPlan:
+    """The (correct) plan of the model at this DCP size and chunk size."""
+    return plan_offload(
         group_specs(config),
         ParallelSpec(tp_size=dcp, dcp_size=dcp),
         blocks_per_chunk=blocks_per_chunk,
     )
-    return plan.max_tokens_per_chunk
+
+
+def _chunk_tokens(config: ModelConfig, dcp: int, blocks_per_chunk: int) -> int:
+    """The largest chunk of the (correct) plan: prompt lengths are placed around it."""
+    return _plan(config, dcp, blocks_per_chunk).max_tokens_per_chunk
 
 
 def build_scenarios(
@@ -483,7 +640,8 @@ def build_scenarios(
     """The matrix: for each preset, DCP size and chunk size, prompts placed around the
     largest chunk ``C``: exactly ``2C``, ``2C + 1``, ``2C - 1``, shorter than one chunk,
     several chunks, an extension of a stored prompt, and a run with the host pool
-    cleared between the requests."""
+    cleared between the requests. Per preset and DCP size (the first chunk size):
+    ``corrupt-chunk``, and ``mamba-chunk-cut`` for ``mamba-hybrid-tiny``."""
     scenarios = []
     for preset in presets:
         config = ModelConfig(layers=PRESETS[preset])
@@ -504,9 +662,36 @@ def build_scenarios(
                     scenarios.append(
                         Scenario(f"{prefix}/{label}", preset, dcp, bpc, first, second, clear)
                     )
+                if bpc == blocks_per_chunks[0]:  # beside its chunk size: the same server
+                    scenarios.append(_corrupt_chunk(preset, config, dcp, bpc))
             if preset == "mamba-hybrid-tiny":
                 scenarios.append(_mamba_chunk_cut(preset, config, dcp, blocks_per_chunks[0]))
     return scenarios
+
+
+def _corrupt_chunk(preset: str, config: ModelConfig, dcp: int, bpc: int) -> Scenario:
+    """A ``3C + 1``-token prompt (``C`` the largest chunk) stored whole, then the chunk of
+    group 0 that starts at token ``2C`` altered: the lookup still finds ``3C`` tokens, the
+    load refuses that chunk and loads ``2C`` (the largest valid hit without it: attention
+    stops at its start, the Mamba state at ``2C`` is stored), the rest is recomputed.
+
+    The byte is flipped on the last rank where each rank's page holds its own tokens
+    (DCP-sharded attention: every rank's page is checked), on rank 0 for replicated
+    Mamba state (the model reads rank 0's copy, so the altered byte is one it reads)."""
+    plan = _plan(config, dcp, bpc)
+    c = plan.max_tokens_per_chunk
+    group = plan.groups[0]
+    rank = dcp - 1 if group.spec.is_dcp_sharded else 0
+    length = 3 * c + 1
+    return Scenario(
+        f"{preset}/dcp{dcp}/bpc{bpc}/corrupt-chunk",
+        preset,
+        dcp,
+        bpc,
+        length,
+        length,
+        corrupt_chunk=(0, 2 * c // group.tokens_per_chunk, rank),
+    )
 
 
 def _mamba_chunk_cut(preset: str, config: ModelConfig, dcp: int, bpc: int) -> Scenario:
@@ -554,6 +739,8 @@ def run_scenario(server: OffloadServer, scenario: Scenario, max_new_tokens: int)
             first, max_new_tokens, lookup=False, store=True, lost=scenario.lost_chunks
         )
         reference = reference or cold
+        if scenario.corrupt_chunk is not None:
+            server.flip_byte(first, *scenario.corrupt_chunk)
         if scenario.clear_host:
             server.clear_host()
         server.clear_gpu()
@@ -565,6 +752,8 @@ def run_scenario(server: OffloadServer, scenario: Scenario, max_new_tokens: int)
     result.loaded_tokens = warm.loaded_tokens
     result.recomputed_tokens = warm.recomputed_tokens
     result.load_bytes = warm.load_bytes
+    result.refused_chunks = len(warm.refused)
+    result.refusals = [str(r) for r in warm.refused]
     result.tokens_equal = warm.generated == reference.generated
     result.logits_equal = all(torch.equal(warm.logits[p], reference.logits[p]) for p in warm.logits)
     diffs = [(warm.logits[p] - reference.logits[p]).abs().max().item() for p in warm.logits]
@@ -586,7 +775,34 @@ def run_scenario(server: OffloadServer, scenario: Scenario, max_new_tokens: int)
         )
     if warm.loaded_tokens and not warm.load_bytes:
         problems.append(f"{warm.loaded_tokens} tokens counted as loaded but no byte moved")
+    problems.extend(_refusal_problems(server, scenario, second, warm))
     return result
+
+
+def _refusal_problems(
+    server: OffloadServer, scenario: Scenario, prompt: Sequence[int], warm: RequestResult
+) -> list[str]:
+    """What is wrong with the refusals of the warm request: an altered chunk must be
+    refused (and only it), dropped from the pool, after a lookup that counted it."""
+    refused = [(r.group, r.chunk) for r in warm.refused]
+    if scenario.corrupt_chunk is None:
+        return [f"refused unaltered chunks: {'; '.join(map(str, warm.refused))}"] if refused else []
+    group, chunk, _ = scenario.corrupt_chunk
+    problems = []
+    lo, top = server.plan.groups[group].needed_chunks(warm.lookup_tokens)
+    if not lo <= chunk < top:
+        problems.append(
+            f"the lookup's {warm.lookup_tokens} tokens do not read the altered chunk {chunk} "
+            f"of group {group} (nothing to refuse)"
+        )
+    if refused != [(group, chunk)]:
+        problems.append(
+            f"the altered chunk {chunk} of group {group} was "
+            + ("loaded, not refused" if not refused else f"not the one refused: {refused}")
+        )
+    if server.manager.lookup(server._keys(prompt, group)[chunk : chunk + 1], group) != [False]:
+        problems.append(f"the altered chunk {chunk} of group {group} is still in the host pool")
+    return problems
 
 
 def run_scenarios(
