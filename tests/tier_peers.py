@@ -92,6 +92,79 @@ class PeerConfig:
         return f"/dev/shm/vllm_offload_{self.engine_id}.mmap"
 
 
+class S3Server:
+    """A local S3 endpoint (moto in server mode) on 127.0.0.1, in its own process.
+
+    Started with ``python -m moto.server``; :meth:`close` stops it by PID.
+    """
+
+    BUCKET = "kv-offload"
+
+    def __init__(self, start_timeout_s: float = 60.0) -> None:
+        import subprocess
+
+        self.port = free_port()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env={**os.environ, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"},
+        )
+        self.pid = self.process.pid
+        try:
+            self._create_bucket(start_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _create_bucket(self, timeout_s: float) -> None:
+        import urllib.error
+        import urllib.request
+
+        deadline = time.monotonic() + timeout_s
+        url = f"http://{self.endpoint}/{self.BUCKET}"
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"moto server exited with {self.process.returncode}")
+            try:
+                # An unsigned CreateBucket: moto accepts it (no authentication).
+                urllib.request.urlopen(urllib.request.Request(url, method="PUT"), timeout=2)
+                return
+            except (urllib.error.URLError, ConnectionError) as error:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"moto server on {self.endpoint}: {error}") from error
+                time.sleep(0.1)
+
+    def tier(self, prefix: str) -> dict[str, Any]:
+        """vLLM's ``obj`` tier config for this server."""
+        return {
+            "type": "obj",
+            "prefix": prefix,
+            "io_threads": 2,
+            "store_config": {
+                "bucket": self.BUCKET,
+                "endpoint_override": f"http://{self.endpoint}",
+                "access_key": "testing",
+                "secret_key": "testing",
+                "region": "us-east-1",
+                "scheme": "http",
+            },
+        }
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except Exception:
+                self.process.kill()
+                self.process.wait(10)
+
+
 class PeerError(RuntimeError):
     """A command failed in the peer (its traceback is the message) or timed out."""
 
@@ -309,6 +382,7 @@ def request_fields(config: PeerConfig, request_id: str, keys: list[Any]) -> dict
             message_id=request_id,
             actions=[
                 KvHintAction(
+                    action_id=f"{request_id}-fetch",
                     action_type="kv.fetch",
                     action_version="1.0",
                     payload={
