@@ -295,28 +295,54 @@ def test_this_backend_with_another_page_geometry_never_shares(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tier", PEER_TIERS)
 def test_a_peer_killed_mid_session_leaves_misses_not_hangs(
-    hosts: tuple[PeerHost, PeerHost], tmp_path: Path, request: pytest.FixtureRequest, tier: str
+    tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    """The producer's process is killed (SIGKILL) after a first chunk crossed: the
-    consumer's next lookups end in misses within the lookup deadline."""
-    producer_tier, consumer_tier, source = tier_configs(tier, tmp_path, request)
-    doomed = PeerHost(UCX_LOOPBACK_ENV)
+    """For each peer tier (p2p, kvcr) the producer's process is killed (SIGKILL) after a
+    first chunk crossed: the consumer's next lookup ends in a miss within its deadline.
+
+    Both processes are this test's own (one pair serves every peer tier: starting a
+    process costs seconds): a KVCR consumer whose source died during a transfer cannot
+    close cleanly (below), and must not be left in the module's hosts.
+    """
+    tiers = [tier for tier in PEER_TIERS if not missing_modules(*NEEDS[tier])]
+    if not tiers:
+        require(PEER_TIERS[0])
+    doomed, survivor = PeerHost(UCX_LOOPBACK_ENV), PeerHost(UCX_LOOPBACK_ENV)
     try:
         doomed.wait_started()
-        consumer_config = PeerConfig(STOCK, consumer_tier, source=source, lookup_timeout_s=15.0)
-        with opened(hosts[1], consumer_config) as consumer:
+        survivor.wait_started()
+        consumers = {}
+        for tier in tiers:
+            producer_tier, consumer_tier, source = tier_configs(tier, tmp_path, request)
+            config = PeerConfig(STOCK, consumer_tier, source=source, lookup_timeout_s=15.0)
+            consumers[tier] = survivor.open(config)
             producer = doomed.open(PeerConfig(STOCK, producer_tier, seed=1))
             stored = producer.store(NAMES)
-            found = consumer.lookup(NAMES[:1])
+            found = consumers[tier].lookup(NAMES[:1])
             assert_shared({NAMES[0]: stored[NAMES[0]]}, found, workers=False)
-            doomed.kill()
-            assert not doomed.alive()
+        doomed.kill()
+        assert not doomed.alive()
+        for tier, consumer in consumers.items():
             found = consumer.lookup(NAMES[1:], timeout_s=60)
             assert_missed(found)
             (entry,) = found.values()
-            assert entry["seconds"] < consumer_config.lookup_timeout_s
+            assert entry["seconds"] < consumer.config.lookup_timeout_s, tier
+        for tier, consumer in consumers.items():
+            try:
+                consumer.close()
+            except PeerError as error:
+                if tier != "kvcr":
+                    raise
+                # kvcr 0.1.1 cannot learn that a pull from a dead source quiesced, so it
+                # keeps its NIXL resources and vLLM keeps the region: the process ends
+                # below, and its region file is removed.
+                assert "unresolved operations" in str(error), error
+            else:
+                assert not os.path.exists(consumer.config.region_path), tier
     finally:
         doomed.close()
-    assert not any(os.path.exists(path) for path in doomed.regions)
+        survivor.close()
+    for host in (doomed, survivor):
+        assert not host.alive()
+        assert not any(os.path.exists(path) for path in host.regions)
