@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from tier_peers import (
     STOCK,
     TRITON,
@@ -82,18 +81,49 @@ def require(tier: str) -> None:
         )
 
 
-@pytest.fixture(scope="module")
-def hosts() -> Iterator[tuple[PeerHost, PeerHost]]:
-    """Two peer processes for the whole module (each imports torch and vLLM once)."""
-    pair = (PeerHost(UCX_LOOPBACK_ENV), PeerHost(UCX_LOOPBACK_ENV))
-    try:
-        for host in pair:
-            host.wait_started()
-        yield pair
-    finally:
-        for host in pair:
+class Hosts:
+    """The module's two peer processes (each imports torch and vLLM once: seconds).
+
+    A host that died (a test killed it) or was retired is replaced on the next
+    :meth:`pair`, so the tests need no order; the kill test, last in this file, costs
+    no extra process in a whole-file run.
+    """
+
+    def __init__(self) -> None:
+        self._pair: list[PeerHost | None] = [None, None]
+        self.every: list[PeerHost] = []
+
+    def pair(self) -> tuple[PeerHost, PeerHost]:
+        for index, host in enumerate(self._pair):
+            if host is None or not host.alive():
+                if host is not None:
+                    host.close()
+                host = PeerHost(UCX_LOOPBACK_ENV)  # both start before either is awaited
+                self.every.append(host)
+                self._pair[index] = host
+        hosts = (self._pair[0], self._pair[1])
+        assert hosts[0] is not None and hosts[1] is not None
+        for host in hosts:
+            if not host.started:
+                host.wait_started()
+        return hosts
+
+    def retire(self, host: PeerHost) -> None:
+        host.close()
+
+    def close(self) -> None:
+        for host in self.every:
             host.close()
-    for host in pair:
+
+
+@pytest.fixture(scope="module")
+def hosts() -> Iterator[Hosts]:
+    pool = Hosts()
+    try:
+        yield pool
+    finally:
+        pool.close()
+    for host in pool.every:
         assert not host.alive(), f"peer process {host.pid} still runs"
         left = [path for path in host.regions if os.path.exists(path)]
         assert not left, f"region files left behind: {left}"
@@ -154,7 +184,7 @@ def opened(host: PeerHost, config: PeerConfig) -> Iterator[Peer]:
 
 @contextlib.contextmanager
 def pair(
-    hosts: tuple[PeerHost, PeerHost],
+    hosts: Hosts,
     tier: str,
     tmp_path: Path,
     request: pytest.FixtureRequest,
@@ -165,14 +195,13 @@ def pair(
     producer_tier, consumer_tier, source = tier_configs(tier, tmp_path, request)
     producer_config = PeerConfig(tier=producer_tier, seed=1, **producer)
     consumer_config = PeerConfig(tier=consumer_tier, seed=2, source=source, **consumer)
-    with opened(hosts[0], producer_config) as a, opened(hosts[1], consumer_config) as b:
+    first, second = hosts.pair()
+    with opened(first, producer_config) as a, opened(second, consumer_config) as b:
         yield a, b
 
 
 def assert_shared(stored: dict[str, Any], found: dict[str, Any], workers: bool) -> None:
-    assert {name: entry["result"] for name, entry in found.items()} == dict.fromkeys(
-        stored, "HIT"
-    )
+    assert {name: entry["result"] for name, entry in found.items()} == dict.fromkeys(stored, "HIT")
     for name, entry in found.items():
         assert entry["row"] == stored[name]["row"], f"{name}: the row differs"
         if workers:
@@ -198,7 +227,7 @@ SAME_SPEC_PAIRS = [
 
 @pytest.mark.parametrize(("tier", "spec_name"), SAME_SPEC_PAIRS)
 def test_chunks_stored_in_one_process_load_byte_exact_in_the_other(
-    hosts: tuple[PeerHost, PeerHost],
+    hosts: Hosts,
     tmp_path: Path,
     request: pytest.FixtureRequest,
     tier: str,
@@ -214,13 +243,13 @@ def test_chunks_stored_in_one_process_load_byte_exact_in_the_other(
 
 
 def test_kvcr_tier_is_refused_by_this_backend_in_a_peer(
-    hosts: tuple[PeerHost, PeerHost], tmp_path: Path, request: pytest.FixtureRequest
+    hosts: Hosts, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     """kvcr files chunks under the block hash alone: this backend's rows could reach a
     stock peer, so its spec refuses the tier (stock<->this backend cannot share there)."""
     tier, _, _ = tier_configs("kvcr", tmp_path, request)
     with pytest.raises(PeerError, match=r"'kvcr' is not supported by TritonTieringOffloadingSpec"):
-        hosts[0].open(PeerConfig(TRITON, tier))
+        hosts.pair()[0].open(PeerConfig(TRITON, tier))
 
 
 @pytest.mark.parametrize("tier", TAGGED_TIERS)
@@ -230,7 +259,7 @@ def test_kvcr_tier_is_refused_by_this_backend_in_a_peer(
     ids=["stock-to-triton", "triton-to-stock"],
 )
 def test_stock_vllm_and_this_backend_never_share_in_the_tagged_layout(
-    hosts: tuple[PeerHost, PeerHost],
+    hosts: Hosts,
     tmp_path: Path,
     request: pytest.FixtureRequest,
     tier: str,
@@ -247,11 +276,14 @@ def test_stock_vllm_and_this_backend_never_share_in_the_tagged_layout(
 @pytest.mark.parametrize("tier", TAGGED_TIERS)
 @pytest.mark.parametrize(
     ("producer_spec", "consumer_spec"),
-    [pytest.param(STOCK, TRITON, marks=CANONICAL_XFAIL), pytest.param(TRITON, STOCK, marks=CANONICAL_XFAIL)],
+    [
+        pytest.param(STOCK, TRITON, marks=CANONICAL_XFAIL),
+        pytest.param(TRITON, STOCK, marks=CANONICAL_XFAIL),
+    ],
     ids=["stock-to-triton", "triton-to-stock"],
 )
 def test_stock_vllm_and_this_backend_share_under_canonical_layout(
-    hosts: tuple[PeerHost, PeerHost],
+    hosts: Hosts,
     tmp_path: Path,
     request: pytest.FixtureRequest,
     tier: str,
@@ -278,7 +310,7 @@ def test_stock_vllm_and_this_backend_share_under_canonical_layout(
     ids=["blocks-per-chunk", "page-bytes"],
 )
 def test_this_backend_with_another_page_geometry_never_shares(
-    hosts: tuple[PeerHost, PeerHost],
+    hosts: Hosts,
     tmp_path: Path,
     request: pytest.FixtureRequest,
     tier: str,
@@ -296,22 +328,20 @@ def test_this_backend_with_another_page_geometry_never_shares(
 
 @pytest.mark.slow
 def test_a_peer_killed_mid_session_leaves_misses_not_hangs(
-    tmp_path: Path, request: pytest.FixtureRequest
+    hosts: Hosts, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     """For each peer tier (p2p, kvcr) the producer's process is killed (SIGKILL) after a
     first chunk crossed: the consumer's next lookup ends in a miss within its deadline.
 
-    Both processes are this test's own (one pair serves every peer tier: starting a
-    process costs seconds): a KVCR consumer whose source died during a transfer cannot
-    close cleanly (below), and must not be left in the module's hosts.
+    The producer's process is killed and the consumer's is retired afterwards: a KVCR
+    consumer whose source died during a transfer cannot close cleanly (below). Later
+    tests get new processes.
     """
     tiers = [tier for tier in PEER_TIERS if not missing_modules(*NEEDS[tier])]
     if not tiers:
         require(PEER_TIERS[0])
-    doomed, survivor = PeerHost(UCX_LOOPBACK_ENV), PeerHost(UCX_LOOPBACK_ENV)
+    doomed, survivor = hosts.pair()
     try:
-        doomed.wait_started()
-        survivor.wait_started()
         consumers = {}
         for tier in tiers:
             producer_tier, consumer_tier, source = tier_configs(tier, tmp_path, request)
@@ -341,8 +371,8 @@ def test_a_peer_killed_mid_session_leaves_misses_not_hangs(
             else:
                 assert not os.path.exists(consumer.config.region_path), tier
     finally:
-        doomed.close()
-        survivor.close()
+        doomed.kill()
+        hosts.retire(survivor)
     for host in (doomed, survivor):
         assert not host.alive()
         assert not any(os.path.exists(path) for path in host.regions)
