@@ -73,12 +73,17 @@ CANONICAL_XFAIL = pytest.mark.xfail(
 
 
 def require(tier: str) -> None:
+    """Skip (fail where ``TRITON_OFFLOAD_REQUIRE_TIERS=1``, as in CI) without the tier's
+    dependencies."""
     missing = missing_modules(*NEEDS[tier])
     if missing:
-        pytest.skip(
+        reason = (
             f"the {tier} tier needs {', '.join(missing)}: install the tiers extra "
             "(pip install -e '.[tiers]')"
         )
+        if os.environ.get("TRITON_OFFLOAD_REQUIRE_TIERS") == "1":
+            pytest.fail(reason)
+        pytest.skip(reason)
 
 
 class Hosts:
