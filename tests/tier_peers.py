@@ -73,6 +73,8 @@ class PeerConfig:
     num_blocks: int = 16
     dtype: str = "bfloat16"
     canonical_layout: bool = False
+    #: vLLM's KV cache layout name; canonical_layout needs one (its format id names it).
+    kv_cache_layout: str | None = None
     #: Seed of this instance's cache contents (and of the stock spec's row contents).
     seed: int = 0
     engine_id: str = dataclasses.field(default_factory=lambda: f"tiers-{uuid.uuid4().hex}")
@@ -335,6 +337,7 @@ def _offloading_config(config: PeerConfig) -> Any:
             is_parallelism_agnostic=False,
         ),
         canonical_layout=config.canonical_layout,
+        kv_cache_layout=config.kv_cache_layout,
     )
 
 
