@@ -1,27 +1,30 @@
 """Two offloading instances in two processes, joined by one of vLLM's real secondary tiers.
 
-Each :class:`Peer` is a child process (multiprocessing ``spawn``) that builds a vLLM
-offloading spec from an ``OffloadingConfig`` (vLLM's stock ``TieringOffloadingSpec`` or
-this project's ``TritonTieringOffloadingSpec``), its scheduler-side tiering manager
-(vLLM's own: CPU primary tier on the shared ``/dev/shm`` region plus the secondary
-tier) and, for this project's spec, its worker on CPU "GPU" caches. The test process
-sends it commands over a pipe:
+A :class:`PeerHost` is a child process (multiprocessing ``spawn``) that imports torch
+and vLLM once and then holds any number of instances (:class:`Peer`, opened per test).
+An instance builds a vLLM offloading spec from an ``OffloadingConfig`` (vLLM's stock
+``TieringOffloadingSpec`` or this project's ``TritonTieringOffloadingSpec``), its
+scheduler-side tiering manager (vLLM's own: the CPU primary tier on the shared
+``/dev/shm`` region plus the secondary tier) and, for this project's spec, its worker on
+CPU "GPU" caches. The test process drives it over a pipe:
 
 - ``store(names)``: chunks named ``names`` go into the CPU tier and cascade to the
   secondary tier. This project's spec stores them from its caches through its worker;
-  the stock spec (no GPU worker on a CPU-only machine) writes the rows of the region
-  directly, as its worker would. The reply holds each chunk's row bytes.
+  the stock spec (its worker needs CUDA) writes the rows of the region directly, as its
+  worker would. The reply holds each chunk's row bytes (and cache bytes, with a worker).
 - ``lookup(names)``: one request looks the chunks up in order; a hit found in the
   secondary tier is promoted through the real transport, then the chunk's row is read
   back (and this project's worker loads it into poisoned cache blocks). Each name ends
-  in ``HIT``, ``MISS`` or ``TIMEOUT`` (the per-chunk deadline passed).
+  in ``HIT``, ``MISS`` or ``TIMEOUT`` (its deadline passed); the lookup stops at the
+  first chunk that is not a hit, as a prefix lookup does.
 
-Between commands a peer keeps stepping its manager (``on_schedule_end``), as vLLM's
-scheduler does every step, so a peer-to-peer tier serves its counterpart while idle.
+Between commands a host keeps stepping its instances' managers (``on_schedule_end``), as
+vLLM's scheduler does every step, so a peer-to-peer tier serves its counterpart while
+idle.
 
-The test process starts and stops every peer by PID: :meth:`Peer.close` asks for a
+The test process starts and stops every host by PID: :meth:`PeerHost.close` asks for a
 clean shutdown, kills the process if it does not come, and removes the ``/dev/shm``
-region a killed peer could not unlink.
+regions that a killed host could not unlink.
 """
 
 from __future__ import annotations
