@@ -172,6 +172,10 @@ def tier_configs(
             "control_ports": [port],
             "control_advertise_host": "127.0.0.1",
             "router_capabilities": ["router_hint"],
+            # A pull from a source that died is given up after abandon_timeout_ms (5 s by
+            # default; at least twice operation_timeout_ms): that bounds the kill test's
+            # miss and the consumer's close.
+            "abandon_timeout_ms": 2000,
         }
 
     return kvcr(producer_port), kvcr(consumer_port), {"kind": "kvcr", "port": producer_port}
