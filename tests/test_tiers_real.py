@@ -358,8 +358,9 @@ def test_this_backend_with_another_page_geometry_never_shares(
 def test_a_peer_killed_mid_session_leaves_misses_not_hangs(
     hosts: Hosts, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    """For each peer tier (p2p, kvcr) the producer's process is killed (SIGKILL) after a
-    first chunk crossed: the consumer's next lookup ends in a miss within its deadline.
+    """For each peer tier (p2p between two instances of this backend, kvcr between two
+    stock ones) the producer's process is killed (SIGKILL) after a first chunk crossed:
+    the consumer's next lookup ends in a miss within its deadline.
 
     The producer's process is killed and the consumer's is retired afterwards: a KVCR
     consumer whose source died during a transfer cannot close cleanly (below). Later
@@ -372,13 +373,15 @@ def test_a_peer_killed_mid_session_leaves_misses_not_hangs(
     try:
         consumers = {}
         for tier in tiers:
+            # This backend where it takes the tier; stock vLLM over kvcr.
+            spec = TRITON if tier in TAGGED_TIERS else STOCK
             producer_tier, consumer_tier, source = tier_configs(tier, tmp_path, request)
-            config = PeerConfig(STOCK, consumer_tier, source=source, lookup_timeout_s=15.0)
+            config = PeerConfig(spec, consumer_tier, source=source, lookup_timeout_s=15.0)
             consumers[tier] = survivor.open(config)
-            producer = doomed.open(PeerConfig(STOCK, producer_tier, seed=1))
+            producer = doomed.open(PeerConfig(spec, producer_tier, seed=1))
             stored = producer.store(NAMES)
             found = consumers[tier].lookup(NAMES[:1])
-            assert_shared({NAMES[0]: stored[NAMES[0]]}, found, workers=False)
+            assert_shared({NAMES[0]: stored[NAMES[0]]}, found, workers=spec == TRITON)
         doomed.kill()
         assert not doomed.alive()
         for tier, consumer in consumers.items():
