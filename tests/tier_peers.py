@@ -1,0 +1,647 @@
+"""Two offloading instances in two processes, joined by one of vLLM's real secondary tiers.
+
+A :class:`PeerHost` is a child process (multiprocessing ``spawn``) that imports torch
+and vLLM once and then holds any number of instances (:class:`Peer`, opened per test).
+An instance builds a vLLM offloading spec from an ``OffloadingConfig`` (vLLM's stock
+``TieringOffloadingSpec`` or this project's ``TritonTieringOffloadingSpec``), its
+scheduler-side tiering manager (vLLM's own: the CPU primary tier on the shared
+``/dev/shm`` region plus the secondary tier) and, for this project's spec, its worker on
+CPU "GPU" caches. The test process drives it over a pipe:
+
+- ``store(names)``: chunks named ``names`` go into the CPU tier and cascade to the
+  secondary tier. This project's spec stores them from its caches through its worker;
+  the stock spec (its worker needs CUDA) writes the rows of the region directly, as its
+  worker would. The reply holds each chunk's row bytes (and cache bytes, with a worker).
+- ``lookup(names)``: one request looks the chunks up in order; a hit found in the
+  secondary tier is promoted through the real transport, then the chunk's row is read
+  back (and this project's worker loads it into poisoned cache blocks). Each name ends
+  in ``HIT``, ``MISS`` or ``TIMEOUT`` (its deadline passed); the lookup stops at the
+  first chunk that is not a hit, as a prefix lookup does.
+
+Between commands a host keeps stepping its instances' managers (``on_schedule_end``), as
+vLLM's scheduler does every step, so a peer-to-peer tier serves its counterpart while
+idle.
+
+The test process starts and stops every host by PID: :meth:`PeerHost.close` asks for a
+clean shutdown, kills the process if it does not come, and removes the ``/dev/shm``
+regions that a killed host could not unlink.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import importlib.util
+import multiprocessing
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+import uuid
+from multiprocessing.connection import Connection
+from typing import Any
+
+STOCK = "TieringOffloadingSpec"
+TRITON = "TritonTieringOffloadingSpec"
+
+#: NIXL's UCX backend between two processes of one machine: shared memory and TCP over
+#: the loopback device only (no InfiniBand, no other interface).
+UCX_LOOPBACK_ENV = {"UCX_TLS": "sm,self,tcp", "UCX_NET_DEVICES": "lo"}
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free right now (the peer binds it moments later)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def missing_modules(*names: str) -> list[str]:
+    return [name for name in names if importlib.util.find_spec(name) is None]
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerConfig:
+    """One instance: its spec, its secondary tier and the geometry of its chunks."""
+
+    spec_name: str
+    tier: dict[str, Any]
+    #: Bytes of one plane per GPU block; two planes (K, V) per block.
+    plane_bytes: int = 1024
+    blocks_per_chunk: int = 2
+    num_chunks: int = 4
+    num_blocks: int = 16
+    dtype: str = "bfloat16"
+    canonical_layout: bool = False
+    #: vLLM's KV cache layout name; canonical_layout needs one (its format id names it).
+    kv_cache_layout: str | None = None
+    #: Seed of this instance's cache contents (and of the stock spec's row contents).
+    seed: int = 0
+    engine_id: str = dataclasses.field(default_factory=lambda: f"tiers-{uuid.uuid4().hex}")
+    #: kv_transfer_params / kv_hints a lookup request carries (p2p, kvcr), built by
+    #: :func:`request_fields` in the child.
+    source: dict[str, Any] | None = None
+    #: Per-chunk lookup deadline, seconds.
+    lookup_timeout_s: float = 10.0
+
+    @property
+    def page_bytes(self) -> int:
+        return 2 * self.plane_bytes * self.blocks_per_chunk
+
+    @property
+    def region_path(self) -> str:
+        # vLLM's SharedOffloadRegion file for this engine id.
+        return f"/dev/shm/vllm_offload_{self.engine_id}.mmap"
+
+
+class S3Server:
+    """A local S3 endpoint (moto in server mode) on 127.0.0.1, in its own process.
+
+    Started with ``python -m moto.server``; :meth:`close` stops it by PID.
+    """
+
+    BUCKET = "kv-offload"
+
+    def __init__(self, start_timeout_s: float = 60.0) -> None:
+        import subprocess
+
+        self.port = free_port()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env={**os.environ, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"},
+        )
+        self.pid = self.process.pid
+        try:
+            self._create_bucket(start_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _create_bucket(self, timeout_s: float) -> None:
+        import urllib.error
+        import urllib.request
+
+        deadline = time.monotonic() + timeout_s
+        url = f"http://{self.endpoint}/{self.BUCKET}"
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"moto server exited with {self.process.returncode}")
+            try:
+                # An unsigned CreateBucket: moto accepts it (no authentication).
+                urllib.request.urlopen(urllib.request.Request(url, method="PUT"), timeout=2)
+                return
+            except (urllib.error.URLError, ConnectionError) as error:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"moto server on {self.endpoint}: {error}") from error
+                time.sleep(0.1)
+
+    def tier(self, prefix: str) -> dict[str, Any]:
+        """vLLM's ``obj`` tier config for this server."""
+        return {
+            "type": "obj",
+            "prefix": prefix,
+            "io_threads": 2,
+            "store_config": {
+                "bucket": self.BUCKET,
+                "endpoint_override": f"http://{self.endpoint}",
+                "access_key": "testing",
+                "secret_key": "testing",
+                "region": "us-east-1",
+                "scheme": "http",
+            },
+        }
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except Exception:
+                self.process.kill()
+                self.process.wait(10)
+
+
+class PeerError(RuntimeError):
+    """A command failed in the peer (its traceback is the message) or timed out."""
+
+
+class PeerHost:
+    """A child process that holds offloading instances, started on construction.
+
+    Importing torch and vLLM takes seconds per process on a small machine, so one host
+    serves many tests: each test opens its instances (:meth:`open`) and closes them.
+    """
+
+    def __init__(self, env: dict[str, str] | None = None, start_timeout_s: float = 120.0) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self.process = context.Process(
+            target=_host_main, args=(child, dict(env or {})), daemon=True
+        )
+        self.process.start()
+        child.close()
+        self.pid = int(self.process.pid or 0)
+        self.regions: set[str] = set()
+        self.started = False
+        self._start_timeout_s = start_timeout_s
+
+    def wait_started(self) -> dict[str, Any]:
+        """Wait for the host's imports; its PID and the NIXL build it would load."""
+        try:
+            info = self._reply(self._start_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+        self.started = True
+        return info
+
+    def _reply(self, timeout_s: float) -> Any:
+        if not self._conn.poll(timeout_s):
+            raise PeerError(f"peer {self.pid} gave no answer within {timeout_s} s")
+        try:
+            status, value = self._conn.recv()
+        except EOFError:
+            self.process.join(5)
+            raise PeerError(
+                f"peer {self.pid} ended (exit code {self.process.exitcode}) without answering"
+            ) from None
+        if status != "ok":
+            raise PeerError(f"peer {self.pid}: {value}")
+        return value
+
+    def call(self, command: str, *args: Any, timeout_s: float = 60.0) -> Any:
+        if not self.started:
+            self.wait_started()
+        self._conn.send((command, args))
+        return self._reply(timeout_s)
+
+    def open(self, config: PeerConfig) -> Peer:
+        self.regions.add(config.region_path)
+        self.call("open", config)
+        return Peer(self, config)
+
+    def alive(self) -> bool:
+        return self.process.is_alive()
+
+    def kill(self) -> None:
+        """The peer disappears: SIGKILL, no clean-up of its own."""
+        if self.process.is_alive():
+            os.kill(self.pid, signal.SIGKILL)
+        self.process.join(10)
+        self._remove_regions()
+
+    def _remove_regions(self) -> None:
+        for path in self.regions:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Shut the host down cleanly if it still runs, kill it otherwise; always reap it
+        and remove the region files of its instances."""
+        try:
+            if self.process.is_alive():
+                with contextlib.suppress(OSError, PeerError, EOFError, BrokenPipeError):
+                    self.started = True
+                    self.call("quit", timeout_s=timeout_s)
+                self.process.join(timeout_s)
+            if self.process.is_alive():
+                os.kill(self.pid, signal.SIGKILL)
+                self.process.join(10)
+        finally:
+            self._conn.close()
+            self._remove_regions()
+
+
+@dataclasses.dataclass
+class Peer:
+    """One instance inside a :class:`PeerHost`."""
+
+    host: PeerHost
+    config: PeerConfig
+
+    @property
+    def engine_id(self) -> str:
+        return self.config.engine_id
+
+    def store(self, names: list[str]) -> dict[str, dict[str, bytes]]:
+        """Store chunks; per name its row bytes (and, with a worker, its cache bytes)."""
+        return self.host.call("store", self.engine_id, names)
+
+    def lookup(self, names: list[str], timeout_s: float = 60.0) -> dict[str, dict[str, Any]]:
+        """Look chunks up in one request; per name the result and the bytes of a hit."""
+        return self.host.call("lookup", self.engine_id, names, timeout_s=timeout_s)
+
+    def close(self) -> None:
+        if self.host.alive():
+            self.host.call("close", self.engine_id)
+
+
+# ------------------------------------------------------------------ child side
+
+
+def _prefer_cuda12_nixl() -> None:
+    """Make ``import nixl`` pick the CUDA-12 build where both are installed.
+
+    The ``nixl`` meta package installs ``nixl-cu12`` and ``nixl-cu13`` and picks one by
+    the CUDA version torch was built with; a CPU build of torch has none, and then it
+    takes ``nixl_cu13`` first, whose OBJ plugin needs ``libcuobjclient.so.1`` (no wheel
+    ships it). A ``None`` entry in ``sys.modules`` makes that import fail as "not
+    installed", and the meta package falls back to ``nixl_cu12``.
+    """
+    if "nixl" not in sys.modules and importlib.util.find_spec("nixl_cu12") is not None:
+        sys.modules.setdefault("nixl_cu13", None)  # type: ignore[arg-type]
+
+
+def _offloading_config(config: PeerConfig) -> Any:
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+
+    extra: dict[str, Any] = {
+        "spec_name": config.spec_name,
+        "cpu_bytes_to_use": config.num_chunks * config.page_bytes,
+        "secondary_tiers": [dict(config.tier)],
+    }
+    if config.spec_name == TRITON:
+        extra.update({"spec_module_path": "triton_offload.vllm", "backend": "torch"})
+    if config.canonical_layout:
+        extra["canonical_layout"] = True
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("attn",), group_id=0),),
+        worker_kv_bytes_per_block=2 * config.plane_bytes,
+        enable_kv_cache_events=False,
+        extra_config=extra,
+        engine_id=config.engine_id,
+        model=OffloadingModelConfig(name="tiers-test", dtype=config.dtype, max_model_len=1024),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=config.blocks_per_chunk),
+        parallel=OffloadingParallelConfig(
+            rank=0,
+            world_size=1,
+            tp_size=1,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=None,
+            is_parallelism_agnostic=False,
+        ),
+        canonical_layout=config.canonical_layout,
+        kv_cache_layout=config.kv_cache_layout,
+    )
+
+
+def _key(name: str) -> Any:
+    from vllm.v1.kv_offload.base import make_offload_key
+
+    # A 32-byte block hash, as vLLM's sha256 prefix caching makes.
+    return make_offload_key(hashlib.sha256(name.encode()).digest(), 0)
+
+
+def _pattern(seed: int, name: str, size: int) -> bytes:
+    """Deterministic bytes of one chunk row (stock spec, no worker)."""
+    out = bytearray()
+    counter = 0
+    while len(out) < size:
+        out += hashlib.sha256(f"{seed}:{name}:{counter}".encode()).digest()
+        counter += 1
+    return bytes(out[:size])
+
+
+def request_fields(config: PeerConfig, request_id: str, keys: list[Any]) -> dict[str, Any]:
+    """The fields of a lookup request that point a p2p or kvcr consumer at its source."""
+    source = config.source
+    if not source:
+        return {}
+    if source["kind"] == "p2p":
+        return {
+            "kv_transfer_params": {
+                "remote_kv_source": {
+                    "kv_request_id": request_id,
+                    "remote_host": "127.0.0.1",
+                    "remote_port": source["port"],
+                }
+            }
+        }
+    # kvcr: a router hint naming the source's control endpoint and the block hashes.
+    from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
+    from vllm.v1.kv_hints.protocol import KvHintAction, KvHintsEnvelope
+    from vllm.v1.kv_offload.base import get_offload_block_hash
+
+    hashes = [maybe_convert_block_hash(BlockHash(get_offload_block_hash(k))) for k in keys]
+    return {
+        "kv_hints": KvHintsEnvelope(
+            protocol_version="0.1",
+            message_id=request_id,
+            actions=[
+                KvHintAction(
+                    action_id=f"{request_id}-fetch",
+                    action_type="kv.fetch",
+                    action_version="1.0",
+                    payload={
+                        "mode": "copy",
+                        "source_control_endpoint": f"tcp://127.0.0.1:{source['port']}",
+                        "block_hashes": [int(h) for h in hashes],
+                    },
+                )
+            ],
+        )
+    }
+
+
+class _Instance:
+    """The child's spec, manager, optional worker and the region's rows."""
+
+    def __init__(self, config: PeerConfig) -> None:
+        import numpy as np
+        import torch
+        from vllm.v1.kv_offload.base import (
+            CanonicalKVCacheRef,
+            CanonicalKVCaches,
+            CanonicalKVCacheTensor,
+        )
+        from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+        self.config = config
+        self.spec = OffloadingSpecFactory.create_spec(_offloading_config(config))
+        self.manager = self.spec.get_manager()
+        self.worker: Any = None
+        self.planes: list[torch.Tensor] = []
+        if config.spec_name == TRITON:
+            generator = torch.Generator().manual_seed(config.seed)
+            self.planes = [
+                torch.randint(
+                    -128,
+                    128,
+                    (config.num_blocks, config.plane_bytes),
+                    dtype=torch.int8,
+                    generator=generator,
+                )
+                for _ in range(2)
+            ]
+            refs = [CanonicalKVCacheRef(i, config.plane_bytes) for i in range(2)]
+            caches = CanonicalKVCaches(
+                tensors=[CanonicalKVCacheTensor(p, config.plane_bytes) for p in self.planes],
+                group_data_refs=[refs],
+            )
+            self.worker = self.spec.get_worker(caches)
+        view = self.manager.primary_tier.get_kv_memoryview()
+        self.rows = np.frombuffer(view, dtype=np.uint8).reshape(self.spec.num_chunks, -1)
+        self._job = 0
+        self._next_block = 0
+
+    # --------------------------------------------------------------- stepping
+
+    def step(self) -> None:
+        from vllm.v1.kv_offload.base import ScheduleEndContext
+
+        with self.manager.lock:
+            self.manager.on_schedule_end(ScheduleEndContext(new_req_ids=[], preempted_req_ids=()))
+
+    def _busy(self) -> bool:
+        # In-flight tier jobs and cascades; a p2p or kvcr tier always reports
+        # has_pending_work() (it must be polled), so the manager's own books are read.
+        manager = self.manager
+        return bool(manager._jobs) or any(
+            state.pending_cascade_keys for state in manager._req_state.values()
+        )
+
+    def settle(self, timeout_s: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        self.step()
+        while self._busy():
+            if time.monotonic() > deadline:
+                raise TimeoutError("secondary-tier jobs did not finish")
+            time.sleep(0.005)
+            self.step()
+
+    def _finish(self, job_id: int) -> None:
+        self.worker.wait({job_id})
+        results = [(r.job_id, r.success) for r in self.worker.get_finished()]
+        if results != [(job_id, True)]:
+            raise RuntimeError(f"transfer job {job_id} finished as {results}")
+
+    def _blocks(self) -> list[int]:
+        """The GPU blocks of the next chunk (a scattered pair of the cache)."""
+        bpc = self.config.blocks_per_chunk
+        n = self.config.num_blocks
+        first = self._next_block
+        self._next_block = (first + bpc) % n
+        return [(first + k * 5) % n for k in range(bpc)]
+
+    # --------------------------------------------------------------- commands
+
+    def store(self, names: list[str]) -> dict[str, dict[str, bytes]]:
+        import numpy as np
+        from vllm.v1.kv_offload.base import GPULoadStoreSpec, ReqContext
+
+        context = ReqContext(req_id=f"store-{uuid.uuid4().hex}")
+        manager = self.manager
+        stored: dict[str, dict[str, bytes]] = {}
+        with manager.lock:
+            manager.on_new_request(context)
+        for name in names:
+            key = _key(name)
+            with manager.lock:
+                out = manager.prepare_store([key], context)
+            if out is None or list(out.keys_to_store) != [key]:
+                raise RuntimeError(f"prepare_store did not take chunk {name!r}: {out}")
+            (row,) = (int(r) for r in out.store_spec.block_ids)
+            entry: dict[str, bytes] = {}
+            if self.worker is not None:
+                self._job += 1
+                blocks = self._blocks()
+                spec = GPULoadStoreSpec(blocks, [len(blocks)], [0])
+                if not self.worker.submit_store(self._job, spec, out.store_spec):
+                    raise RuntimeError("submit_store refused")
+                self._finish(self._job)
+                entry["blocks"] = self._block_bytes(blocks)
+            else:
+                self.rows[row] = np.frombuffer(
+                    _pattern(self.config.seed, name, self.rows.shape[1]), dtype=np.uint8
+                )
+            entry["row"] = self.rows[row].tobytes()
+            stored[name] = entry
+            with manager.lock:
+                manager.complete_store([key], context)
+        self.settle()
+        with manager.lock:
+            manager.on_request_finished(context)
+        self.settle()
+        return stored
+
+    def lookup(self, names: list[str]) -> dict[str, dict[str, Any]]:
+        from vllm.v1.kv_offload.base import GPULoadStoreSpec, LookupResult, ReqContext
+
+        request_id = f"lookup-{uuid.uuid4().hex}"
+        keys = [_key(name) for name in names]
+        context = ReqContext(req_id=request_id, **request_fields(self.config, request_id, keys))
+        manager = self.manager
+        found: dict[str, dict[str, Any]] = {}
+        with manager.lock:
+            manager.on_new_request(context)
+        try:
+            for name, key in zip(names, keys, strict=True):
+                started = time.monotonic()
+                deadline = started + self.config.lookup_timeout_s
+                seen = []
+                while True:
+                    with manager.lock:
+                        result = manager.lookup(key, context)
+                    seen.append(result.name)
+                    if result in (LookupResult.HIT, LookupResult.MISS):
+                        break
+                    if time.monotonic() > deadline:
+                        result = None
+                        break
+                    time.sleep(0.005)
+                    self.step()
+                entry: dict[str, Any] = {
+                    "result": "TIMEOUT" if result is None else result.name,
+                    "seconds": time.monotonic() - started,
+                    "seen": sorted(set(seen)),
+                }
+                if result is LookupResult.HIT:
+                    with manager.lock:
+                        load_spec = manager.prepare_load([key], context)
+                    (row,) = (int(r) for r in load_spec.block_ids)
+                    entry["row"] = self.rows[row].tobytes()
+                    if self.worker is not None:
+                        entry["blocks"] = self._load(load_spec, GPULoadStoreSpec)
+                    with manager.lock:
+                        manager.complete_load([key], context)
+                found[name] = entry
+                if result is not LookupResult.HIT:
+                    break  # a prefix lookup stops at its first miss
+        finally:
+            with manager.lock:
+                manager.on_request_finished(context)
+        return found
+
+    def _load(self, load_spec: Any, gpu_spec: Any) -> bytes:
+        """Load one chunk into poisoned cache blocks; the blocks' bytes, plane by plane."""
+        blocks = self._blocks()
+        for plane in self.planes:
+            plane[blocks] = 0x55
+        self._job += 1
+        if not self.worker.submit_load(self._job, load_spec, gpu_spec(blocks, [len(blocks)], [0])):
+            raise RuntimeError("submit_load refused")
+        self._finish(self._job)
+        return self._block_bytes(blocks)
+
+    def _block_bytes(self, blocks: list[int]) -> bytes:
+        return b"".join(plane[blocks].numpy().tobytes() for plane in self.planes)
+
+    def shutdown(self) -> None:
+        # The tier-poll thread and the tiers stop before the region is unmapped.
+        rows, self.rows = self.rows, None
+        del rows
+        if self.worker is not None:
+            self.worker.shutdown()
+        self.manager.shutdown()
+
+
+def _host_main(conn: Connection, env: dict[str, str]) -> None:
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    os.environ.update(env)
+    instances: dict[str, _Instance] = {}
+    try:
+        _prefer_cuda12_nixl()
+        # The imports every instance needs, done once while the test process waits.
+        import torch  # noqa: F401
+        import vllm.v1.kv_offload.tiering.spec  # noqa: F401
+
+        import triton_offload.vllm.spec  # noqa: F401
+
+        conn.send(("ok", {"pid": os.getpid()}))
+        while True:
+            if not conn.poll(0.005):
+                for instance in instances.values():
+                    instance.step()
+                continue
+            command, args = conn.recv()
+            if command == "quit":
+                while instances:
+                    instances.popitem()[1].shutdown()
+                conn.send(("ok", None))
+                conn.close()
+                # Every instance is shut down (tiers stopped, regions unlinked): skip the
+                # interpreter's teardown of torch, vLLM and NIXL, which takes seconds.
+                os._exit(0)
+            try:
+                if command == "open":
+                    (config,) = args
+                    instances[config.engine_id] = _Instance(config)
+                    value: Any = None
+                elif command == "close":
+                    instances.pop(args[0]).shutdown()
+                    value = None
+                elif command == "nixl":
+                    module = sys.modules.get("nixl")
+                    value = getattr(getattr(module, "_pkg", None), "__name__", None)
+                else:
+                    value = getattr(instances[args[0]], command)(*args[1:])
+            except Exception:
+                conn.send(("error", traceback.format_exc()))
+            else:
+                conn.send(("ok", value))
+    except BaseException:
+        with contextlib.suppress(Exception):
+            conn.send(("error", traceback.format_exc()))
+    finally:
+        for instance in instances.values():
+            with contextlib.suppress(Exception):
+                instance.shutdown()
