@@ -48,9 +48,16 @@ Decisions a user of vLLM's CPU spec would ask about:
   layer. ``TritonOffloadingSpec`` refuses the flag (vLLM's CPU spec silently ignores
   it; refusing keeps a user from believing rows are canonical when they are not).
 - Without ``canonical_layout`` the tiering spec's fs, obj and p2p tiers file chunks
-  under a name that carries this layout (:func:`storage_layout_tag`), so they never
+  under a name that carries this layout (:func:`storage_layout_tag` plus the plane
+  arrangement every worker publishes when it registers its caches), so they never
   exchange chunks with stock vLLM or another geometry; the KVCR tier, which cannot be so
-  named, is refused.
+  named, is refused. Where the rows provably are vLLM's CPU worker's bytes (verification
+  off, one plane per cache tensor at vLLM's offsets: every worker says so), the names
+  are vLLM's own and stock instances share the chunks.
+- ``verify_chunks`` (default on): each worker page ends with a 64-byte seal (payload
+  CRC-32, key, configuration and row-layout digests) written after a store's copy and
+  checked before a load and before a promoted chunk counts; the page, and so the chunk
+  count, is vLLM's plus the seal (:mod:`triton_offload.vllm.integrity`).
 
 Importing this module imports vLLM's offloading modules, after the version check of
 :mod:`triton_offload.vllm.compat`; ``triton_offload.vllm`` imports it on first use of a
