@@ -310,9 +310,18 @@ def _offloading_config(config: PeerConfig) -> Any:
         OffloadingParallelConfig,
     )
 
+    row_bytes = config.page_bytes
+    if config.spec_name == TRITON and not config.canonical_layout:
+        # Sealed pages (verify_chunks, on by default): each page is 64 bytes longer and
+        # the row rounds up to the next OS page, so the same chunk count needs more bytes.
+        import mmap
+
+        from triton_offload.transfer.seal import SEAL_BYTES
+
+        row_bytes = -(-(config.page_bytes + SEAL_BYTES) // mmap.PAGESIZE) * mmap.PAGESIZE
     extra: dict[str, Any] = {
         "spec_name": config.spec_name,
-        "cpu_bytes_to_use": config.num_chunks * config.page_bytes,
+        "cpu_bytes_to_use": config.num_chunks * row_bytes,
         "secondary_tiers": [dict(config.tier)],
     }
     if config.spec_name == TRITON:
