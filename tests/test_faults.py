@@ -15,6 +15,9 @@ failed, blocks were loaded corrupt and exceptions escaped. Asserted every time:
 The last test prints the table and asserts 0 corrupt loads and 0 crashes over all
 faults. The replicated-layout store (rank 0 killed) runs on two workers of one region
 without the scheduler: vLLM's connector never submits a store on a non-writer rank.
+The obj rows run vLLM's real obj tier against a moto S3 server (one per module, started
+and stopped by PID) and load NIXL's CUDA-12 build into this process; they skip without
+the tiers extra and fail instead where ``TRITON_OFFLOAD_REQUIRE_TIERS=1``.
 """
 
 from __future__ import annotations
