@@ -15,14 +15,19 @@ failed, blocks were loaded corrupt and exceptions escaped. Asserted every time:
 The last test prints the table and asserts 0 corrupt loads and 0 crashes over all
 faults. The replicated-layout store (rank 0 killed) runs on two workers of one region
 without the scheduler: vLLM's connector never submits a store on a non-writer rank.
+The obj rows run vLLM's real obj tier against a moto S3 server (one per module, started
+and stopped by PID) and load NIXL's CUDA-12 build into this process; they skip without
+the tiers extra and fail instead where ``TRITON_OFFLOAD_REQUIRE_TIERS=1``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import importlib.util
 import os
 import time
+import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +54,8 @@ try:
     from triton_offload.vllm.integrity import KeyedCPULoadStoreSpec, host_manager
 except ImportError as error:  # pragma: no cover - exercised where vllm is absent
     pytest.skip(f"vllm cannot be imported: {error}", allow_module_level=True)
+
+from tier_peers import S3Server, prefer_cuda12_nixl, require
 
 from triton_offload.transfer import cpu_copy
 from triton_offload.transfer.seal import SealFormat, read_seal, write_seal
@@ -265,8 +272,6 @@ def test_a_driver_error(
 ) -> None:
     """A driver error from the engine's CUDA path (stand-in streams and events, the job
     enqueued on a stream whose wait fails) or from the engine's submit itself."""
-    import contextlib
-
     row = record(f"driver error: {where}")
     engine = make_engine(engines, tmp_path)
     transfer = engine.transfer_worker.engine
@@ -482,8 +487,6 @@ def test_a_writer_killed_mid_store_under_the_replicated_layout(
     rank 0 finished it. Rank 0's copy dies: both report it failed at once. Rank 0 gone
     (never copies): rank 1 reports it failed after ``replicated_store_timeout_s``, not
     before and without hanging. Then a store that completes loads exactly on rank 1."""
-    import uuid
-
     row = record(f"replicated store, {death}")
     timeout_s = 0.3
     engine_id = f"faults-{uuid.uuid4()}"
@@ -541,30 +544,33 @@ def test_a_writer_killed_mid_store_under_the_replicated_layout(
 # ------------------------------------------------------------------ vLLM's fs tier
 
 
-def tiered_engine(engines: list[Engine], tmp_path: Path, root: Path) -> Engine:
-    """TritonTieringOffloadingSpec: eight host chunks over vLLM's fs tier at ``root``."""
+def tiered_engine(engines: list[Engine], tmp_path: Path, tier: dict[str, Any]) -> Engine:
+    """TritonTieringOffloadingSpec: eight host chunks over one of vLLM's secondary tiers."""
     return make_engine(
         engines,
         tmp_path,
         spec_name="TritonTieringOffloadingSpec",
         spec_module_path="triton_offload.vllm",
         cpu_bytes_to_use=8 * HOST_PAGE,
-        secondary_tiers=[
-            {"type": "fs", "root_dir": str(root), "n_read_threads": 1, "n_write_threads": 1}
-        ],
+        secondary_tiers=[tier],
     )
+
+
+def fs_tier(root: Path) -> dict[str, Any]:
+    return {"type": "fs", "root_dir": str(root), "n_read_threads": 1, "n_write_threads": 1}
 
 
 def fs_file(engine: Engine, key: Any) -> Path:
     return Path(engine.offloading_manager.secondary_tiers[0].file_mapper.get_file_name(key))
 
 
-def offload_to_fs(engine: Engine, row: Row) -> list[Any]:
-    """A's chunks written to fs, then pushed out of the host tier by another request."""
+def offload_to_tier(engine: Engine, row: Row, stored: Callable[[Any], bool]) -> list[Any]:
+    """A's chunks written to the secondary tier (``stored(key)`` says a chunk is there),
+    then pushed out of the host tier by another request."""
     serve(engine, row, "A", TOKENS)
     engine.settle()
     keys = keys_of(engine, TOKENS)
-    assert all(fs_file(engine, key).exists() for key in keys)
+    assert all(stored(key) for key in keys)
     other = prompt(extra=2 * BLOCK, seed=11)  # eight chunks: every host chunk
     serve(engine, row, "X", other)
     engine.settle()
@@ -603,8 +609,8 @@ FS_FAULTS = [
 @pytest.mark.parametrize("how", FS_FAULTS)
 def test_a_bad_fs_chunk_file(engines: list[Engine], tmp_path: Path, how: str) -> None:
     row = record(f"fs tier: {how}")
-    engine = tiered_engine(engines, tmp_path, tmp_path / "fs")
-    keys = offload_to_fs(engine, row)
+    engine = tiered_engine(engines, tmp_path, fs_tier(tmp_path / "fs"))
+    keys = offload_to_tier(engine, row, lambda key: fs_file(engine, key).exists())
     path = fs_file(engine, keys[BAD])
     data = path.read_bytes()
     if how == "flipped byte":
@@ -668,19 +674,139 @@ def test_a_bad_fs_chunk_file(engines: list[Engine], tmp_path: Path, how: str) ->
 
 # ------------------------------------------------------------------ vLLM's obj tier
 
-OBJ_SKIP = (
-    "obj tier rows (garbage object, half-size object) need vLLM's obj tier: nixl's "
-    "CUDA-12 build with its OBJ plugin and an S3 endpoint (a moto server on 127.0.0.1); "
-    "neither is in ci/vllm-cpu.txt"
-)
+
+@pytest.fixture(scope="module")
+def s3_server() -> Iterator[S3Server]:
+    """One local S3 server (moto, 127.0.0.1) for the module's obj rows, stopped by PID."""
+    require("obj")
+    with S3Server.running() as server:
+        yield server
 
 
-@pytest.mark.parametrize("how", ["garbage object", "half-size object"])
-def test_a_bad_obj_chunk(how: str) -> None:
-    record(f"obj tier: {how}").outcome = "skipped"
-    if importlib.util.find_spec("nixl") is None:
-        pytest.skip(OBJ_SKIP + ": nixl is not installed")
-    pytest.skip(OBJ_SKIP + ": no S3 fixture here yet")
+def load_cuda12_nixl() -> None:
+    """vLLM's obj tier imports NIXL in this process: its CUDA-12 build (the CUDA-13
+    build's OBJ plugin needs a library no wheel ships; see tier_peers)."""
+    prefer_cuda12_nixl()
+    import nixl
+
+    build = getattr(getattr(nixl, "_pkg", None), "__name__", None)
+    if build != "nixl_cu12":
+        pytest.fail(f"nixl was imported as {build} before the obj rows; they need nixl_cu12")
+
+
+@dataclasses.dataclass
+class Promotion:
+    """The bad chunk's promotion as the scheduler's seal check saw it."""
+
+    tier_success: bool | None = None  # what the obj tier reported for it
+    chunk: int = -1  # the host row it was read into
+    row: bytes = b""  # that row as the tier left it
+
+
+def watch_promotion(engine: Engine, key: Any, monkeypatch: pytest.MonkeyPatch) -> Promotion:
+    """Record the tier's own verdict on ``key``'s promotion and the row it wrote, before
+    the seal check decides."""
+    guard = engine.connector_scheduler.triton_guard
+    seen = Promotion()
+    checked, problem = guard._checked_promotion, guard.promotion_problem
+    wanted = bytes(key)
+
+    def watched_checked(manager: Any, tier: Any, result: Any) -> Any:
+        job = manager._jobs.get(result.job_id)
+        if job is not None and wanted in {bytes(k) for k in job.transfer_job.keys}:
+            read = {bytes(k) for k in result.successful_keys or ()}
+            seen.tier_success = bool(result.success) or wanted in read
+        return checked(manager, tier, result)
+
+    def watched_problem(chunk: int, chunk_key: bytes) -> str | None:
+        if bytes(chunk_key) == wanted:
+            seen.chunk, seen.row = chunk, guard.region_rows[chunk].tobytes()
+        return problem(chunk, chunk_key)
+
+    monkeypatch.setattr(guard, "_checked_promotion", watched_checked)
+    monkeypatch.setattr(guard, "promotion_problem", watched_problem)
+    return seen
+
+
+OBJ_FAULTS = ["garbage object", "half-size object", "object cut inside the page"]
+
+
+@pytest.mark.parametrize("how", OBJ_FAULTS)
+def test_a_bad_obj_chunk(
+    engines: list[Engine],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    request: pytest.FixtureRequest,
+    how: str,
+) -> None:
+    """vLLM's obj tier through NIXL's OBJ plugin against a local S3 server: A's chunks
+    cascade to it and leave the host tier, then chunk BAD's object is replaced (boto3)
+    with same-size garbage, its first half, or the first half of its sealed page."""
+    row = record(f"obj tier: {how}")
+    row.outcome = "skipped"  # until the server runs (require() may skip or fail)
+    server: S3Server = request.getfixturevalue("s3_server")
+    row.outcome = ""
+    load_cuda12_nixl()
+    engine = tiered_engine(engines, tmp_path, server.tier(prefix=uuid.uuid4().hex))
+    tier = engine.offloading_manager.secondary_tiers[0]
+    s3 = server.client()
+
+    def object_name(key: Any) -> str | None:
+        with contextlib.suppress(LookupError):
+            return server.object_name(tier._file_mapper.get_file_name(key))
+        return None
+
+    keys = offload_to_tier(engine, row, lambda key: object_name(key) is not None)
+    name = object_name(keys[BAD])
+    assert name is not None
+    data = s3.get_object(Bucket=server.BUCKET, Key=name)["Body"].read()
+    guard = engine.connector_scheduler.triton_guard
+    row_bytes, page_bytes = guard.region_rows.shape[1], guard.page_bytes
+    assert len(data) == row_bytes  # one object per host row, its alignment padding included
+    if how == "garbage object":
+        replaced = os.urandom(len(data))
+    elif how == "half-size object":
+        replaced = data[: len(data) // 2]
+    else:
+        replaced = data[: page_bytes // 2]
+    s3.put_object(Bucket=server.BUCKET, Key=name, Body=replaced)
+    before = guard.region_rows.copy()  # X's chunks: what the promotion overwrites
+    seen = watch_promotion(engine, keys[BAD], monkeypatch)
+    serve(engine, row, "B", SECOND)
+    assert seen.chunk >= 0, "chunk BAD was not promoted from the obj tier"
+    tally(engine, row)
+    assert (row.failed_loads, row.recomputed, row.failed_stores) == (0, 0, 0)
+    # What the obj tier reported for the read (NIXL's transfer state), and the sizes.
+    read = f"obj read {'ok' if seen.tier_success else 'failed'}"
+    size = f"{len(replaced)} of {row_bytes} B"
+    if how == "half-size object":
+        # The row is the 576-byte sealed page rounded up to 4096 bytes: the first half
+        # holds the whole page, so the chunk is intact. The seal verifies it: a hit.
+        assert len(replaced) >= page_bytes
+        assert seen.row[:page_bytes] == data[:page_bytes]
+        assert engine.hits["B"] == PROMPT and first_computed_block(engine, "B") == CHUNKS
+        assert (row.refused_chunks, guard.promotions_refused) == (0, 0)
+        assert_all_chunks_hit(engine, row, "C", SECOND)
+        row.outcome = f"{read} ({size}); page whole: seal ok, loaded"
+        return
+    # Refused at promotion; the chunks before it loaded, it and after recomputed. Refused
+    # before it counted: B stored it again, C loads every chunk.
+    assert first_computed_block(engine, "B") == BAD
+    assert row.refused_chunks == 1
+    if how == "garbage object":
+        # Bytes of the right size: only the seal can tell.
+        assert seen.tier_success and guard.promotions_refused == 1
+        row.outcome = f"{read}; refused at promotion (seal); hit ends at {BAD}"
+    elif seen.tier_success:
+        # NIXL's OBJ read of an object shorter than the row reports success: it wrote the
+        # object's bytes and left the rest of the row as it was (X's chunk, seal and all).
+        assert seen.row[: len(replaced)] == replaced
+        assert seen.row[len(replaced) :] == before[seen.chunk, len(replaced) :].tobytes()
+        assert guard.promotions_refused == 1
+        row.outcome = f"{read} ({size}); rest stale; seal refused at {BAD}"
+    else:
+        row.outcome = f"{read} ({size}); refused; hit ends at {BAD}"
+    assert_all_chunks_hit(engine, row, "C", SECOND)
 
 
 # ------------------------------------------------------------------ the summary

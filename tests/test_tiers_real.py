@@ -32,6 +32,7 @@ from typing import Any
 
 import pytest
 from tier_peers import (
+    NEEDS,
     STOCK,
     TRITON,
     UCX_LOOPBACK_ENV,
@@ -42,6 +43,7 @@ from tier_peers import (
     S3Server,
     free_port,
     missing_modules,
+    require,
 )
 
 try:
@@ -53,15 +55,6 @@ except ImportError as error:  # pragma: no cover - exercised where vllm is absen
 
 pytestmark = pytest.mark.skipif(VLLM_ERROR is not None, reason=VLLM_ERROR or "")
 
-#: Modules each tier needs beyond vLLM (``pip install -e '.[tiers]'``). The obj tier
-#: needs NIXL's CUDA-12 build: the CUDA-13 build's OBJ plugin links libcuobjclient.so.1,
-#: which no wheel ships.
-NEEDS = {
-    "fs": (),
-    "p2p": ("nixl", "nixl_cu12", "zmq", "msgspec"),
-    "obj": ("nixl", "nixl_cu12", "moto", "flask", "flask_cors"),
-    "kvcr": ("kvcr", "nixl", "nixl_cu12", "zmq", "msgspec"),
-}
 #: Tiers whose instances talk to each other (and so can lose their peer).
 PEER_TIERS = ("p2p", "kvcr")
 #: Tiers this backend accepts (it refuses kvcr: see triton_offload.vllm.tiers).
@@ -70,20 +63,6 @@ NAMES = ["chunk-0", "chunk-1", "chunk-2"]
 CANONICAL_XFAIL = pytest.mark.xfail(
     reason="canonical_layout not yet accepted by TritonTieringOffloadingSpec", strict=False
 )
-
-
-def require(tier: str) -> None:
-    """Skip (fail where ``TRITON_OFFLOAD_REQUIRE_TIERS=1``, as in CI) without the tier's
-    dependencies."""
-    missing = missing_modules(*NEEDS[tier])
-    if missing:
-        reason = (
-            f"the {tier} tier needs {', '.join(missing)}: install the tiers extra "
-            "(pip install -e '.[tiers]')"
-        )
-        if os.environ.get("TRITON_OFFLOAD_REQUIRE_TIERS") == "1":
-            pytest.fail(reason)
-        pytest.skip(reason)
 
 
 class Hosts:
@@ -137,12 +116,8 @@ def hosts() -> Iterator[Hosts]:
 @pytest.fixture(scope="module")
 def s3_server() -> Iterator[S3Server]:
     require("obj")
-    server = S3Server()
-    try:
+    with S3Server.running() as server:
         yield server
-    finally:
-        server.close()
-    assert server.process.poll() is not None, f"S3 server {server.pid} still runs"
 
 
 def tier_configs(

@@ -41,6 +41,7 @@ import sys
 import time
 import traceback
 import uuid
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -61,6 +62,33 @@ def free_port() -> int:
 
 def missing_modules(*names: str) -> list[str]:
     return [name for name in names if importlib.util.find_spec(name) is None]
+
+
+#: Modules each tier needs beyond vLLM (``pip install -e '.[tiers]'``). The obj tier
+#: needs NIXL's CUDA-12 build (the CUDA-13 build's OBJ plugin links libcuobjclient.so.1,
+#: which no wheel ships) and boto3 (moto's own dependency) to reach the objects.
+NEEDS = {
+    "fs": (),
+    "p2p": ("nixl", "nixl_cu12", "zmq", "msgspec"),
+    "obj": ("nixl", "nixl_cu12", "moto", "flask", "flask_cors", "boto3"),
+    "kvcr": ("kvcr", "nixl", "nixl_cu12", "zmq", "msgspec"),
+}
+
+
+def require(tier: str) -> None:
+    """Skip (fail where ``TRITON_OFFLOAD_REQUIRE_TIERS=1``, as in CI) without the tier's
+    dependencies."""
+    import pytest
+
+    missing = missing_modules(*NEEDS[tier])
+    if missing:
+        reason = (
+            f"the {tier} tier needs {', '.join(missing)}: install the tiers extra "
+            "(pip install -e '.[tiers]')"
+        )
+        if os.environ.get("TRITON_OFFLOAD_REQUIRE_TIERS") == "1":
+            pytest.fail(reason)
+        pytest.skip(reason)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,6 +188,33 @@ class S3Server:
             },
         }
 
+    def client(self) -> Any:
+        """A boto3 S3 client of this server (the test's side: read and replace objects)."""
+        import boto3
+
+        return boto3.client(
+            "s3",
+            endpoint_url=f"http://{self.endpoint}",
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+            region_name="us-east-1",
+        )
+
+    def object_name(self, file_name: str) -> str:
+        """The name under which NIXL's OBJ plugin stored vLLM's object ``file_name``.
+
+        vLLM names an object ``{prefix}/`` joined with its file mapper's path, which
+        starts with ``/``; the plugin's AWS SDK sends the path with the double slash
+        collapsed. The object is found by listing, so the test depends on neither rule.
+        """
+        prefix, _, rest = file_name.partition("/")
+        listed = self.client().list_objects_v2(Bucket=self.BUCKET, Prefix=prefix)
+        tail = "/" + rest.rsplit("/", 1)[-1]
+        names = [item["Key"] for item in listed.get("Contents", ()) if item["Key"].endswith(tail)]
+        if len(names) != 1:
+            raise LookupError(f"{len(names)} objects match {file_name!r}: {names}")
+        return names[0]
+
     def close(self) -> None:
         if self.process.poll() is None:
             self.process.terminate()
@@ -168,6 +223,17 @@ class S3Server:
             except Exception:
                 self.process.kill()
                 self.process.wait(10)
+
+    @classmethod
+    @contextlib.contextmanager
+    def running(cls) -> Iterator[S3Server]:
+        """A module fixture's server: started, yielded, stopped by PID and checked gone."""
+        server = cls()
+        try:
+            yield server
+        finally:
+            server.close()
+        assert server.process.poll() is not None, f"S3 server {server.pid} still runs"
 
 
 class PeerError(RuntimeError):
@@ -288,7 +354,7 @@ class Peer:
 # ------------------------------------------------------------------ child side
 
 
-def _prefer_cuda12_nixl() -> None:
+def prefer_cuda12_nixl() -> None:
     """Make ``import nixl`` pick the CUDA-12 build where both are installed.
 
     The ``nixl`` meta package installs ``nixl-cu12`` and ``nixl-cu13`` and picks one by
@@ -608,7 +674,7 @@ def _host_main(conn: Connection, env: dict[str, str]) -> None:
     os.environ.update(env)
     instances: dict[str, _Instance] = {}
     try:
-        _prefer_cuda12_nixl()
+        prefer_cuda12_nixl()
         # The imports every instance needs, done once while the test process waits.
         import torch  # noqa: F401
         import vllm.v1.kv_offload.tiering.spec  # noqa: F401
