@@ -309,10 +309,18 @@ def _offloading_config(config: PeerConfig) -> Any:
         OffloadingModelConfig,
         OffloadingParallelConfig,
     )
+    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
+    from triton_offload.transfer.seal import SEAL_BYTES
+
+    # Room for num_chunks rows of either spec: this backend's default-layout pages end
+    # with a seal, and vLLM rounds a row up to its region's alignment (the OS page), so
+    # a 4096-byte page takes an 8 KiB row there.
+    alignment = SharedOffloadRegion.BLOCK_SIZE_ALIGNMENT
+    row = -(-(config.page_bytes + SEAL_BYTES) // alignment) * alignment
     extra: dict[str, Any] = {
         "spec_name": config.spec_name,
-        "cpu_bytes_to_use": config.num_chunks * config.page_bytes,
+        "cpu_bytes_to_use": config.num_chunks * row,
         "secondary_tiers": [dict(config.tier)],
     }
     if config.spec_name == TRITON:
