@@ -139,7 +139,7 @@ def hosts() -> Iterator[Hosts]:
     for host in pool.every:
         assert not host.alive(), f"peer process {host.pid} still runs"
         left = [path for path in host.regions if os.path.exists(path)]
-        assert not left, f"region files left behind: {left}"
+        assert not left, f"/dev/shm files left behind: {left}"
 
 
 @pytest.fixture(scope="module")

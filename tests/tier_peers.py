@@ -31,7 +31,7 @@ idle.
 
 The test process starts and stops every host by PID: :meth:`PeerHost.close` asks for a
 clean shutdown, kills the process if it does not come, and removes the ``/dev/shm``
-regions that a killed host could not unlink.
+regions (and this backend's plane notes) that a killed host could not remove.
 """
 
 from __future__ import annotations
@@ -106,6 +106,15 @@ class PeerConfig:
     def region_path(self) -> str:
         # vLLM's SharedOffloadRegion file for this engine id.
         return f"/dev/shm/vllm_offload_{self.engine_id}.mmap"
+
+    @property
+    def shm_paths(self) -> list[str]:
+        """Files the instance leaves in /dev/shm until it shuts down: vLLM's region and,
+        for this backend's default layout, each worker's published plane arrangement."""
+        from triton_offload.vllm.tiers import layout_note_path
+
+        notes = [layout_note_path(self.engine_id, rank) for rank in range(self.tp)]
+        return [self.region_path, *notes]
 
 
 class S3Server:
@@ -201,6 +210,7 @@ class PeerHost:
         self.process.start()
         child.close()
         self.pid = int(self.process.pid or 0)
+        #: /dev/shm files of its instances (regions, plane notes), removed on close.
         self.regions: set[str] = set()
         self.started = False
         self._start_timeout_s = start_timeout_s
@@ -236,7 +246,7 @@ class PeerHost:
         return self._reply(timeout_s)
 
     def open(self, config: PeerConfig) -> Peer:
-        self.regions.add(config.region_path)
+        self.regions.update(config.shm_paths)
         self.call("open", config)
         return Peer(self, config)
 
