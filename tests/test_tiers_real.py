@@ -10,8 +10,13 @@ instance stores chunks, the other looks them up; every byte crosses the tier.
 - ``TritonTieringOffloadingSpec`` on both sides shares chunks: they are stored from one
   worker's caches and loaded into the other's byte-exactly.
 - Stock and this backend in its default (tagged) layout never share: lookups miss and
-  never load the other's bytes. Under ``canonical_layout`` they are meant to share
-  (xfail until this backend accepts it).
+  never load the other's bytes.
+- Under ``canonical_layout`` (two TP ranks per instance, caches registered through
+  vLLM's own connector worker) stock vLLM and this backend share chunks in both
+  directions over every tier, kvcr included: this backend's workers write the row
+  vLLM's own canonical descriptors write from the same caches, and the consumer's
+  caches (vLLM's descriptors replayed on the stock side, this backend's workers on the
+  other) receive the producer's blocks byte for byte.
 - Two instances of this backend whose page geometry differs never share.
 - A peer that is killed mid-session leaves misses, not hangs.
 
@@ -57,12 +62,15 @@ pytestmark = pytest.mark.skipif(VLLM_ERROR is not None, reason=VLLM_ERROR or "")
 
 #: Tiers whose instances talk to each other (and so can lose their peer).
 PEER_TIERS = ("p2p", "kvcr")
-#: Tiers this backend accepts (it refuses kvcr: see triton_offload.vllm.tiers).
+#: Tiers this backend accepts in its default layout (it refuses kvcr there: see
+#: triton_offload.vllm.tiers); under canonical_layout it takes kvcr too.
 TAGGED_TIERS = ("fs", "p2p", "obj")
+CANONICAL_TIERS = (*TAGGED_TIERS, "kvcr")
 NAMES = ["chunk-0", "chunk-1", "chunk-2"]
-CANONICAL_XFAIL = pytest.mark.xfail(
-    reason="canonical_layout not yet accepted by TritonTieringOffloadingSpec", strict=False
-)
+#: canonical_layout instances: vLLM needs the KV cache layout name (its canonical format
+#: id names the layout family); two ranks, so each canonical page interleaves both
+#: ranks' heads token by token (many fragments per page).
+CANONICAL = {"canonical_layout": True, "kv_cache_layout": "LBNHC", "tp": 2}  # NHD
 
 
 class Hosts:
@@ -110,7 +118,7 @@ def hosts() -> Iterator[Hosts]:
     for host in pool.every:
         assert not host.alive(), f"peer process {host.pid} still runs"
         left = [path for path in host.regions if os.path.exists(path)]
-        assert not left, f"region files left behind: {left}"
+        assert not left, f"/dev/shm files left behind: {left}"
 
 
 @pytest.fixture(scope="module")
@@ -229,11 +237,15 @@ def test_chunks_stored_in_one_process_load_byte_exact_in_the_other(
 def test_kvcr_tier_is_refused_by_this_backend_in_a_peer(
     hosts: Hosts, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    """kvcr files chunks under the block hash alone: this backend's rows could reach a
-    stock peer, so its spec refuses the tier (stock<->this backend cannot share there)."""
+    """kvcr files chunks under the block hash alone: this backend's default-layout rows
+    could reach a stock peer, so its spec refuses the tier without canonical_layout,
+    naming the option (with it the tier is accepted: below)."""
     # Refused before vLLM builds the tier: this runs without kvcr installed.
     tier = {"type": "kvcr", "control_host": "127.0.0.1", "control_ports": [free_port()]}
-    with pytest.raises(PeerError, match=r"'kvcr' is not supported by TritonTieringOffloadingSpec"):
+    with pytest.raises(
+        PeerError,
+        match=r"'kvcr' is not supported by TritonTieringOffloadingSpec without canonical_layout",
+    ):
         hosts.pair()[0].open(PeerConfig(TRITON, tier))
 
 
@@ -258,14 +270,11 @@ def test_stock_vllm_and_this_backend_never_share_in_the_tagged_layout(
         assert_missed(consumer.lookup(NAMES))
 
 
-@pytest.mark.parametrize("tier", TAGGED_TIERS)
+@pytest.mark.parametrize("tier", CANONICAL_TIERS)
 @pytest.mark.parametrize(
     ("producer_spec", "consumer_spec"),
-    [
-        pytest.param(STOCK, STOCK, id="stock-to-stock"),
-        pytest.param(STOCK, TRITON, marks=CANONICAL_XFAIL, id="stock-to-triton"),
-        pytest.param(TRITON, STOCK, marks=CANONICAL_XFAIL, id="triton-to-stock"),
-    ],
+    [(STOCK, STOCK), (STOCK, TRITON), (TRITON, STOCK), (TRITON, TRITON)],
+    ids=["stock-to-stock", "stock-to-triton", "triton-to-stock", "triton-to-triton"],
 )
 def test_chunks_are_shared_under_canonical_layout(
     hosts: Hosts,
@@ -275,17 +284,26 @@ def test_chunks_are_shared_under_canonical_layout(
     producer_spec: str,
     consumer_spec: str,
 ) -> None:
-    canonical = {"canonical_layout": True, "kv_cache_layout": "LBNHC"}  # NHD
+    """Stock vLLM's side moves its caches with vLLM's canonical descriptors (replayed:
+    its CUDA workers cannot run on CPU); this backend's with its workers. The rows cross
+    the tier unchanged, a store by this backend writes exactly vLLM's row, and the
+    consumer's poisoned blocks receive the producer's cache bytes. Stock on both sides
+    is the baseline: vLLM's tier carries vLLM's canonical rows and its descriptors
+    bring the blocks back."""
     with pair(
         hosts,
         tier,
         tmp_path,
         request,
-        {"spec_name": producer_spec, **canonical},
-        {"spec_name": consumer_spec, **canonical},
+        {"spec_name": producer_spec, **CANONICAL},
+        {"spec_name": consumer_spec, **CANONICAL},
     ) as (producer, consumer):
         stored = producer.store(NAMES)
-        assert_shared(stored, consumer.lookup(NAMES), workers=False)
+        if producer_spec == TRITON:
+            for name, entry in stored.items():
+                assert entry["row"] == entry["replayed"], f"{name}: not vLLM's canonical row"
+        assert_shared(stored, consumer.lookup(NAMES), workers=True)
+        assert_missed(consumer.lookup(["never-stored"]))
 
 
 @pytest.mark.parametrize("tier", TAGGED_TIERS)

@@ -11,12 +11,19 @@ CPU "GPU" caches. The test process drives it over a pipe:
 - ``store(names)``: chunks named ``names`` go into the CPU tier and cascade to the
   secondary tier. This project's spec stores them from its caches through its worker;
   the stock spec (its worker needs CUDA) writes the rows of the region directly, as its
-  worker would. The reply holds each chunk's row bytes (and cache bytes, with a worker).
+  worker would. The reply holds each chunk's row bytes (and cache bytes, with caches).
 - ``lookup(names)``: one request looks the chunks up in order; a hit found in the
   secondary tier is promoted through the real transport, then the chunk's row is read
-  back (and this project's worker loads it into poisoned cache blocks). Each name ends
-  in ``HIT``, ``MISS`` or ``TIMEOUT`` (its deadline passed); the lookup stops at the
-  first chunk that is not a hit, as a prefix lookup does.
+  back (and loaded into poisoned cache blocks, with caches). Each name ends in ``HIT``,
+  ``MISS`` or ``TIMEOUT`` (its deadline passed); the lookup stops at the first chunk that
+  is not a hit, as a prefix lookup does.
+
+Under ``canonical_layout`` an instance has ``tp`` ranks, each with vLLM-registered caches
+(``vllm_canonical_judge``: their ``CanonicalKVCaches`` carry vLLM's canonical mappings).
+This project's spec moves them with one worker per rank (one spec per rank, one region);
+the stock spec moves them with vLLM's own canonical descriptors replayed on the region's
+rows, every rank in turn, as its CUDA workers would. A store by this project's workers
+also reports the row vLLM's descriptors make from the same caches (``replayed``).
 
 Between commands a host keeps stepping its instances' managers (``on_schedule_end``), as
 vLLM's scheduler does every step, so a peer-to-peer tier serves its counterpart while
@@ -24,7 +31,7 @@ idle.
 
 The test process starts and stops every host by PID: :meth:`PeerHost.close` asks for a
 clean shutdown, kills the process if it does not come, and removes the ``/dev/shm``
-regions that a killed host could not unlink.
+regions (and this backend's plane notes) that a killed host could not remove.
 """
 
 from __future__ import annotations
@@ -108,6 +115,9 @@ class PeerConfig:
     kv_cache_layout: str | None = None
     #: Seed of this instance's cache contents (and of the stock spec's row contents).
     seed: int = 0
+    #: Tensor-parallel ranks (workers) of the instance; more than one needs
+    #: canonical_layout (the default layout's caches are one worker's planes).
+    tp: int = 1
     engine_id: str = dataclasses.field(default_factory=lambda: f"tiers-{uuid.uuid4().hex}")
     #: kv_transfer_params / kv_hints a lookup request carries (p2p, kvcr), built by
     #: :func:`request_fields` in the child.
@@ -117,12 +127,22 @@ class PeerConfig:
 
     @property
     def page_bytes(self) -> int:
+        """One worker's page of a chunk."""
         return 2 * self.plane_bytes * self.blocks_per_chunk
 
     @property
     def region_path(self) -> str:
         # vLLM's SharedOffloadRegion file for this engine id.
         return f"/dev/shm/vllm_offload_{self.engine_id}.mmap"
+
+    @property
+    def shm_paths(self) -> list[str]:
+        """Files the instance leaves in /dev/shm until it shuts down: vLLM's region and,
+        for this backend's default layout, each worker's published plane arrangement."""
+        from triton_offload.vllm.tiers import layout_note_path
+
+        notes = [layout_note_path(self.engine_id, rank) for rank in range(self.tp)]
+        return [self.region_path, *notes]
 
 
 class S3Server:
@@ -256,6 +276,7 @@ class PeerHost:
         self.process.start()
         child.close()
         self.pid = int(self.process.pid or 0)
+        #: /dev/shm files of its instances (regions, plane notes), removed on close.
         self.regions: set[str] = set()
         self.started = False
         self._start_timeout_s = start_timeout_s
@@ -291,7 +312,7 @@ class PeerHost:
         return self._reply(timeout_s)
 
     def open(self, config: PeerConfig) -> Peer:
-        self.regions.add(config.region_path)
+        self.regions.update(config.shm_paths)
         self.call("open", config)
         return Peer(self, config)
 
@@ -367,7 +388,7 @@ def prefer_cuda12_nixl() -> None:
         sys.modules.setdefault("nixl_cu13", None)  # type: ignore[arg-type]
 
 
-def _offloading_config(config: PeerConfig) -> Any:
+def _offloading_config(config: PeerConfig, rank: int = 0) -> Any:
     from vllm.v1.kv_offload.config import (
         OffloadingCacheConfig,
         OffloadingConfig,
@@ -375,19 +396,18 @@ def _offloading_config(config: PeerConfig) -> Any:
         OffloadingModelConfig,
         OffloadingParallelConfig,
     )
+    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
-    row_bytes = config.page_bytes
-    if config.spec_name == TRITON and not config.canonical_layout:
-        # Sealed pages (verify_chunks, on by default): each page is 64 bytes longer and
-        # the row rounds up to the next OS page, so the same chunk count needs more bytes.
-        import mmap
+    from triton_offload.transfer.seal import SEAL_BYTES
 
-        from triton_offload.transfer.seal import SEAL_BYTES
-
-        row_bytes = -(-(config.page_bytes + SEAL_BYTES) // mmap.PAGESIZE) * mmap.PAGESIZE
+    # Room for num_chunks rows of either spec: this backend's default-layout pages end
+    # with a seal, and vLLM rounds a row up to its region's alignment (the OS page), so
+    # a 4096-byte page takes an 8 KiB row there.
+    alignment = SharedOffloadRegion.BLOCK_SIZE_ALIGNMENT
+    row = -(-(config.page_bytes + SEAL_BYTES) * config.tp // alignment) * alignment
     extra: dict[str, Any] = {
         "spec_name": config.spec_name,
-        "cpu_bytes_to_use": config.num_chunks * row_bytes,
+        "cpu_bytes_to_use": config.num_chunks * row,
         "secondary_tiers": [dict(config.tier)],
     }
     if config.spec_name == TRITON:
@@ -403,9 +423,9 @@ def _offloading_config(config: PeerConfig) -> Any:
         model=OffloadingModelConfig(name="tiers-test", dtype=config.dtype, max_model_len=1024),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=config.blocks_per_chunk),
         parallel=OffloadingParallelConfig(
-            rank=0,
-            world_size=1,
-            tp_size=1,
+            rank=rank,
+            world_size=config.tp,
+            tp_size=config.tp,
             pp_size=1,
             pcp_size=1,
             dcp_size=1,
@@ -477,8 +497,33 @@ def request_fields(config: PeerConfig, request_id: str, keys: list[Any]) -> dict
     }
 
 
+def _canonical_geometry(config: PeerConfig) -> Any:
+    """The ``vllm_canonical_judge`` geometry of a canonical instance: one attention layer
+    of 16-token bf16 blocks, 2 KV heads per rank (K and V side by side per head), its
+    head size chosen so that one rank's page is ``2 * plane_bytes``."""
+    from vllm_canonical_judge import Geometry
+
+    kinds = {"LBNHC": "nhd", "LBHNC": "hnd"}
+    if config.kv_cache_layout not in kinds:
+        raise ValueError(f"kv_cache_layout {config.kv_cache_layout!r} not in {sorted(kinds)}")
+    block_size, heads = 16, 2
+    # page = block_size * heads * (K + V) * head_size * 2 bytes = 2 * plane_bytes
+    head_size, rest = divmod(config.plane_bytes, 2 * block_size * heads)
+    if rest:
+        raise ValueError(f"plane_bytes {config.plane_bytes} is no multiple of 64")
+    return Geometry(
+        "tiers",
+        kinds[config.kv_cache_layout],
+        total_heads=heads * config.tp,
+        tp=config.tp,
+        layers=1,
+        block_size=block_size,
+        head_size=head_size,
+    )
+
+
 class _Instance:
-    """The child's spec, manager, optional worker and the region's rows."""
+    """The child's spec, manager, optional workers, caches and the region's rows."""
 
     def __init__(self, config: PeerConfig) -> None:
         import numpy as np
@@ -493,11 +538,41 @@ class _Instance:
         self.config = config
         self.spec = OffloadingSpecFactory.create_spec(_offloading_config(config))
         self.manager = self.spec.get_manager()
-        self.worker: Any = None
-        self.planes: list[torch.Tensor] = []
-        if config.spec_name == TRITON:
+        #: This project's workers, one per rank (none for the stock spec).
+        self.workers: list[Any] = []
+        #: Per rank, vLLM's CanonicalKVCaches (canonical_layout only).
+        self.canonical: list[Any] = []
+        #: The cache pages a chunk's blocks are read from and loaded into: (num_blocks,
+        #: page bytes) int8 views, every rank's in rank order.
+        self.pages: list[torch.Tensor] = []
+        self._alive: list[Any] = []  # tensors the views above point into
+        if config.canonical_layout:
+            from vllm_canonical_judge import vllm_canonical_caches
+
+            geometry = _canonical_geometry(config)
+            for rank in range(config.tp):
+                kv_caches, tensors = vllm_canonical_caches(
+                    geometry, rank, seed=config.seed * 1000 + rank, num_blocks=config.num_blocks
+                )
+                self.canonical.append(kv_caches)
+                self._alive += tensors
+                self.pages += [
+                    t.tensor.view(torch.int8).view(-1, t.page_size_bytes) for t in kv_caches.tensors
+                ]
+            if config.spec_name == TRITON:
+                # One spec per rank, as vLLM builds one in every worker process; rank 0's
+                # is the scheduler's. Every worker maps the scheduler's region.
+                specs = [self.spec] + [
+                    OffloadingSpecFactory.create_spec(_offloading_config(config, rank))
+                    for rank in range(1, config.tp)
+                ]
+                for spec, kv_caches in zip(specs, self.canonical, strict=True):
+                    self.workers.append(spec.get_worker(kv_caches))
+        elif config.spec_name == TRITON:
+            if config.tp != 1:
+                raise ValueError("tp > 1 needs canonical_layout in this harness")
             generator = torch.Generator().manual_seed(config.seed)
-            self.planes = [
+            self.pages = [
                 torch.randint(
                     -128,
                     128,
@@ -507,12 +582,13 @@ class _Instance:
                 )
                 for _ in range(2)
             ]
+            # This backend's default layout takes refs without a canonical mapping.
             refs = [CanonicalKVCacheRef(i, config.plane_bytes) for i in range(2)]
             caches = CanonicalKVCaches(
-                tensors=[CanonicalKVCacheTensor(p, config.plane_bytes) for p in self.planes],
+                tensors=[CanonicalKVCacheTensor(p, config.plane_bytes) for p in self.pages],
                 group_data_refs=[refs],
             )
-            self.worker = self.spec.get_worker(caches)
+            self.workers.append(self.spec.get_worker(caches))
         view = self.manager.primary_tier.get_kv_memoryview()
         self.rows = np.frombuffer(view, dtype=np.uint8).reshape(self.spec.num_chunks, -1)
         self._job = 0
@@ -544,10 +620,23 @@ class _Instance:
             self.step()
 
     def _finish(self, job_id: int) -> None:
-        self.worker.wait({job_id})
-        results = [(r.job_id, r.success) for r in self.worker.get_finished()]
-        if results != [(job_id, True)]:
-            raise RuntimeError(f"transfer job {job_id} finished as {results}")
+        for rank, worker in enumerate(self.workers):
+            worker.wait({job_id})
+            results = [(r.job_id, r.success) for r in worker.get_finished()]
+            if results != [(job_id, True)]:
+                raise RuntimeError(f"rank {rank}: transfer job {job_id} finished as {results}")
+
+    def _replay(self, pool: Any, blocks: list[int], row: int, store: bool) -> None:
+        """vLLM's canonical descriptors of every rank, in rank order, on ``pool``'s rows
+        (a store writes the pages each rank is the writer of)."""
+        import numpy as np
+        from vllm_canonical_judge import vllm_replay
+
+        from triton_offload.transfer.jobs import JobSpec
+
+        job = JobSpec.from_groups([(np.array(blocks), np.array([row]), 0)])
+        for kv_caches in self.canonical:
+            vllm_replay(kv_caches, pool, job, store, self.config.blocks_per_chunk)
 
     def _blocks(self) -> list[int]:
         """The GPU blocks of the next chunk (a scattered pair of the cache)."""
@@ -561,6 +650,7 @@ class _Instance:
 
     def store(self, names: list[str]) -> dict[str, dict[str, bytes]]:
         import numpy as np
+        import torch
         from vllm.v1.kv_offload.base import GPULoadStoreSpec, ReqContext
 
         context = ReqContext(req_id=f"store-{uuid.uuid4().hex}")
@@ -576,13 +666,23 @@ class _Instance:
                 raise RuntimeError(f"prepare_store did not take chunk {name!r}: {out}")
             (row,) = (int(r) for r in out.store_spec.block_ids)
             entry: dict[str, bytes] = {}
-            if self.worker is not None:
+            if self.workers:
                 self._job += 1
                 blocks = self._blocks()
                 spec = GPULoadStoreSpec(blocks, [len(blocks)], [0])
-                if not self.worker.submit_store(self._job, spec, out.store_spec):
-                    raise RuntimeError("submit_store refused")
+                if self.canonical:
+                    # The judge: vLLM's descriptors on a copy of the row as it was.
+                    judge = torch.from_numpy(self.rows[row : row + 1].copy())
+                    self._replay(judge, blocks, 0, store=True)
+                    entry["replayed"] = judge.numpy().tobytes()
+                for rank, worker in enumerate(self.workers):
+                    if not worker.submit_store(self._job, spec, out.store_spec):
+                        raise RuntimeError(f"rank {rank}: submit_store refused")
                 self._finish(self._job)
+                entry["blocks"] = self._block_bytes(blocks)
+            elif self.canonical:
+                blocks = self._blocks()
+                self._replay(torch.from_numpy(self.rows), blocks, row, store=True)
                 entry["blocks"] = self._block_bytes(blocks)
             else:
                 self.rows[row] = np.frombuffer(
@@ -634,8 +734,8 @@ class _Instance:
                         load_spec = manager.prepare_load([key], context)
                     (row,) = (int(r) for r in load_spec.block_ids)
                     entry["row"] = self.rows[row].tobytes()
-                    if self.worker is not None:
-                        entry["blocks"] = self._load(load_spec, GPULoadStoreSpec)
+                    if self.pages:
+                        entry["blocks"] = self._load(load_spec, row, GPULoadStoreSpec)
                     with manager.lock:
                         manager.complete_load([key], context)
                 found[name] = entry
@@ -646,26 +746,33 @@ class _Instance:
                 manager.on_request_finished(context)
         return found
 
-    def _load(self, load_spec: Any, gpu_spec: Any) -> bytes:
-        """Load one chunk into poisoned cache blocks; the blocks' bytes, plane by plane."""
+    def _load(self, load_spec: Any, row: int, gpu_spec: Any) -> bytes:
+        """Load one chunk (host row ``row``) into poisoned cache blocks; the blocks'
+        bytes, page by page."""
+        import torch
+
         blocks = self._blocks()
-        for plane in self.planes:
-            plane[blocks] = 0x55
+        for page in self.pages:
+            page[blocks] = 0x55
+        if not self.workers:
+            self._replay(torch.from_numpy(self.rows), blocks, row, store=False)
+            return self._block_bytes(blocks)
         self._job += 1
-        if not self.worker.submit_load(self._job, load_spec, gpu_spec(blocks, [len(blocks)], [0])):
-            raise RuntimeError("submit_load refused")
+        for rank, worker in enumerate(self.workers):
+            if not worker.submit_load(self._job, load_spec, gpu_spec(blocks, [len(blocks)], [0])):
+                raise RuntimeError(f"rank {rank}: submit_load refused")
         self._finish(self._job)
         return self._block_bytes(blocks)
 
     def _block_bytes(self, blocks: list[int]) -> bytes:
-        return b"".join(plane[blocks].numpy().tobytes() for plane in self.planes)
+        return b"".join(page[blocks].numpy().tobytes() for page in self.pages)
 
     def shutdown(self) -> None:
         # The tier-poll thread and the tiers stop before the region is unmapped.
         rows, self.rows = self.rows, None
         del rows
-        if self.worker is not None:
-            self.worker.shutdown()
+        for worker in self.workers:
+            worker.shutdown()
         self.manager.shutdown()
 
 
