@@ -186,6 +186,10 @@ def test_region_is_created_as_vllms_tiering_spec_creates_it(
     with pytest.raises(Captured):
         spec.get_worker(Caches().canonical)
     assert ours == theirs
+    # A start-up that failed publishes no plane note (nothing left in /dev/shm).
+    from triton_offload.vllm.tiers import layout_note_path
+
+    assert not os.path.exists(layout_note_path(config.engine_id, rank))
 
 
 def test_worker_logs_the_region_and_shutdown_releases_it(

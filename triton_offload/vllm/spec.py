@@ -365,6 +365,12 @@ class TritonWorkerSide:
         stage = tuple(g for g, layers in enumerate(caches) if layers)
         region_plan = RegionPlan.from_spec(self)
         layout = self._stage_layout(caches, region_plan) if stage else None
+        # Every worker reaches the same barriers in the same order (the region's,
+        # then the ledger's), whatever its stage holds.
+        barrier = None
+        if not self._tiering_region:
+            barrier = self.region_barrier or default_barrier()
+        planes_note = None
         if self._tiering_region:
             # The scheduler names the tiers' storage after every worker's planes (it
             # starts after the workers in vLLM's engine): two plane arrangements of one
@@ -380,22 +386,15 @@ class TritonWorkerSide:
                 [(p.pool_offset, p.page_bytes) for p in planes],
                 self.blocks_per_chunk,
             )
-            self._planes_note = publish_planes(
-                str(self.config.engine_id),
-                rank,
+            planes_note = (
                 (STOCK_ROWS if stock else OWN_ROWS)
                 + "\n"
                 + layout_description(
                     [(p.group, p.pool_offset, p.page_bytes) for p in planes],
                     self.blocks_per_chunk,
                     ROW_LAYOUT_VERSION,
-                ),
+                )
             )
-        # Every worker reaches the same barriers in the same order (the region's,
-        # then the ledger's), whatever its stage holds.
-        barrier = None
-        if not self._tiering_region:
-            barrier = self.region_barrier or default_barrier()
         started = time.perf_counter()
         region = create_worker_region(region_plan, barrier=barrier, tiering=self._tiering_region)
         ledger = None
@@ -403,6 +402,10 @@ class TritonWorkerSide:
         locked = 0
         api_used = None
         try:
+            if planes_note is not None:
+                # Published once this worker holds the region (a start-up that fails
+                # before leaves no note; the except below withdraws a later failure's).
+                self._planes_note = publish_planes(str(self.config.engine_id), rank, planes_note)
             if region_plan.replicated and region_plan.world_size > 1:
                 ledger = StoreLedger(region_plan.engine_id, region_plan.num_chunks, barrier)
             mapped = time.perf_counter()
