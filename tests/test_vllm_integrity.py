@@ -310,3 +310,22 @@ def test_split_and_fused_planes_get_different_storage_names(tmp_path: Path) -> N
         assert not os.path.exists(note)  # withdrawn at shutdown
     assert names[True] != names[False]
     assert names[True].rsplit(":", 1)[0] == names[False].rsplit(":", 1)[0]
+
+
+def test_the_config_digest_names_the_model_and_its_dtype(tmp_path: Path) -> None:
+    """Seals of another model (or dtype) under this configuration are another config's."""
+    from vllm.v1.kv_offload.config import OffloadingModelConfig
+
+    def digest(name: str, dtype: str) -> bytes:
+        base = make_config(tmp_path)
+        config = dataclasses.replace(
+            base,
+            worker_kv_bytes_per_block=2 * PLANE,
+            model=OffloadingModelConfig(name=name, dtype=dtype, max_model_len=1024),
+            extra_config={**base.extra_config, "verify_chunks": True, "cpu_bytes_to_use": PAGE},
+        )
+        return OffloadingSpecFactory.create_spec(config).seal_config_digest()
+
+    assert digest("model-a", "bfloat16") == digest("model-a", "bfloat16")
+    assert digest("model-a", "bfloat16") != digest("model-b", "bfloat16")
+    assert digest("model-a", "bfloat16") != digest("model-a", "float16")
