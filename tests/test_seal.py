@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import struct
 import zlib
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -130,7 +131,10 @@ def test_the_sealer_seals_rows_of_a_strided_pool() -> None:
 
 
 def test_split_and_fused_planes_of_the_same_bytes_have_different_layouts() -> None:
-    split = layout_description([(0, 0, 512), (0, 1024, 512)], 2, 1)
-    fused = layout_description([(0, 0, 1024)], 2, 1)
+    def plane(offset: int, page: int) -> SimpleNamespace:
+        return SimpleNamespace(group=0, pool_offset=offset, page_bytes=page)
+
+    split = layout_description([plane(0, 512), plane(1024, 512)], 2)  # type: ignore[list-item]
+    fused = layout_description([plane(0, 1024)], 2)  # type: ignore[list-item]
     assert split != fused
     assert digest8(split) != digest8(fused)

@@ -38,9 +38,12 @@ import os
 import struct
 import threading
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import numpy as np
+
+from triton_offload.transfer.layout import ROW_LAYOUT_VERSION, Plane
 
 #: Bytes of the seal at the end of every sealed page.
 SEAL_BYTES = 64
@@ -56,6 +59,9 @@ NO_KEY = bytes(8)
 SEAL_THREADS = max(1, min(8, os.cpu_count() or 1))
 #: Below this many payload bytes in a job, one thread (a pool hand-off costs more).
 PARALLEL_MIN_BYTES = 1 << 20
+
+_Item = TypeVar("_Item")
+_Result = TypeVar("_Result")
 
 _FIELDS = struct.Struct("<8s8s8s8sIIHH16s")
 _SEAL_CRC = struct.Struct("<I")
@@ -240,26 +246,27 @@ _pool: concurrent.futures.ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
 
-def _map(function: object, items: Sequence[object], job_bytes: int) -> list:  # type: ignore[type-arg]
+def _map(
+    function: Callable[[_Item], _Result], items: Sequence[_Item], job_bytes: int
+) -> list[_Result]:
+    """``function`` over ``items`` in order, on the seal threads when the job is large."""
     if SEAL_THREADS == 1 or len(items) < 2 or job_bytes < PARALLEL_MIN_BYTES:
-        return [function(item) for item in items]  # type: ignore[operator]
+        return [function(item) for item in items]
     global _pool
     with _pool_lock:
         if _pool is None:
             _pool = concurrent.futures.ThreadPoolExecutor(
                 SEAL_THREADS, thread_name_prefix="triton-offload-seal"
             )
-    return list(_pool.map(function, items))  # type: ignore[arg-type]
+    return list(_pool.map(function, items))
 
 
-def layout_description(
-    planes: Sequence[tuple[int, int, int]], blocks_per_chunk: int, row_layout_version: int
-) -> str:
-    """The text a layout digest is taken of: every ``(group, pool offset, page bytes)``
-    plane in order, the chunk's block count and the row layout version (two K/V planes
-    and one fused plane of the same bytes differ here)."""
-    parts = [f"rows-v{row_layout_version}", f"bpc{blocks_per_chunk}"]
-    parts += [f"g{group}@{offset}x{page}" for group, offset, page in planes]
+def layout_description(planes: Sequence[Plane], blocks_per_chunk: int) -> str:
+    """The text a layout digest is taken of: every plane's group, pool offset and page
+    bytes in order, the chunk's block count and :data:`ROW_LAYOUT_VERSION` (two K/V
+    planes and one fused plane of the same bytes differ here)."""
+    parts = [f"rows-v{ROW_LAYOUT_VERSION}", f"bpc{blocks_per_chunk}"]
+    parts += [f"g{p.group}@{p.pool_offset}x{p.page_bytes}" for p in planes]
     return ";".join(parts)
 
 

@@ -58,7 +58,7 @@ from triton_offload.planner.plan import OffloadPlan, plan_offload
 from triton_offload.planner.presets import PRESETS as MODEL_PRESETS
 from triton_offload.transfer.host_blocks import HostBlockManager, LoadHandle, StoreHandle
 from triton_offload.transfer.jobs import JobSpec
-from triton_offload.transfer.layout import ROW_LAYOUT_VERSION, CacheLayout, build_layout
+from triton_offload.transfer.layout import CacheLayout, build_layout
 from triton_offload.transfer.seal import (
     SEAL_BYTES,
     PageSealer,
@@ -291,8 +291,7 @@ class OffloadServer:
         config digest of what the scheduler knows (the model and the plan's geometry), a
         layout digest of the rank's row layout, and the rank's page of the chunk."""
         config = digest8(f"triton_offload.verify;{self.config!r};{self.plan!r}")
-        planes = [(p.group, p.pool_offset, p.page_bytes) for p in layout.planes]
-        description = layout_description(planes, self.plan.blocks_per_chunk, ROW_LAYOUT_VERSION)
+        description = layout_description(layout.planes, self.plan.blocks_per_chunk)
         return SealFormat(config, digest8(description), rank, self.dcp)
 
     def close(self) -> None:

@@ -95,16 +95,14 @@ def config_description(spec: Any, storage_layout: str) -> str:
     """What the scheduler and every worker agree a chunk's bytes mean: the storage layout
     tag, the model, its KV dtype and block geometry (the seal's config digest)."""
     config = spec.config
-    model = config.model
     return ";".join(
         [
             storage_layout,
-            f"model={getattr(model, 'model', '')}",
-            f"dtype={getattr(model, 'dtype', '')}",
+            f"model={config.model.name}",
+            f"dtype={config.model.dtype}",
             f"page={int(spec.cpu_page_size_per_worker)}",
             f"bpc={int(spec.blocks_per_chunk)}",
-            "groups="
-            + ",".join(f"{g.tokens_per_block}" for g in getattr(config, "groups", ()) or ()),
+            "groups=" + ",".join(str(g.tokens_per_block) for g in config.groups),
         ]
     )
 
@@ -163,7 +161,6 @@ class ChunkGuard:
         self._logged: set[bytes] = set()
         self._lock = threading.Lock()
         self.promotions_refused = 0
-        self.loads_refused = 0
 
     # ----------------------------------------------------------------- reporting
 
@@ -188,8 +185,11 @@ class ChunkGuard:
     def release(self, keys: Iterable[Any]) -> None:
         """Keys stored again successfully: their host copy is fresh, lift the quarantine."""
         if self.quarantined:
+            fresh = {bytes(key) for key in keys}
             with self._lock:
-                self.quarantined.difference_update(bytes(key) for key in keys)
+                self.quarantined.difference_update(fresh)
+                # A fresh chunk that goes bad again is logged again.
+                self._logged.difference_update(fresh)
 
     def quarantine(self, manager: Any, keys: Iterable[bytes]) -> None:
         """Keep ``keys`` out of every tier's lookups and drop their host chunks (now, or
@@ -259,7 +259,8 @@ class ChunkGuard:
         chunk_of = dict(zip(keys, (int(c) for c in transfer.chunk_ids), strict=True))
         where = f"secondary tier {tier.tier_type!r}"
         reported = keys if result.success else [bytes(k) for k in result.successful_keys or ()]
-        unread = [key for key in keys if key not in set(reported)]
+        read = set(reported)
+        unread = [key for key in keys if key not in read]
         candidates = list(reported)
         if self.digest is not None:
             # What the tier did write may still be whole: the seal says.
@@ -288,10 +289,11 @@ class ChunkGuard:
         self.promotions_refused += len(bad)
         if not bad and not lost:
             return dataclasses.replace(result, success=True, successful_keys=None)
+        kept = set(good)
         return dataclasses.replace(
             result,
             success=False,
-            successful_keys=[key for key in transfer.keys if bytes(key) in set(good)],
+            successful_keys=[key for key in transfer.keys if bytes(key) in kept],
         )
 
 

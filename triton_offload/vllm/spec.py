@@ -74,7 +74,7 @@ import torch
 
 from triton_offload import __version__
 from triton_offload.transfer.engine import TransferEngine
-from triton_offload.transfer.layout import ROW_LAYOUT_VERSION, CacheLayout, build_layout
+from triton_offload.transfer.layout import CacheLayout, build_layout
 from triton_offload.transfer.pool import cuda_api
 from triton_offload.transfer.seal import (
     SEAL_BYTES,
@@ -110,8 +110,9 @@ from triton_offload.vllm.tiers import (
     PLANES_UNPUBLISHED,
     STOCK_ROWS,
     check_secondary_tiers,
+    notes_are_stock,
+    plane_notes,
     planes_tag,
-    planes_verdict,
     publish_planes,
     rows_are_stock,
     storage_layout_tag,
@@ -296,14 +297,18 @@ class TritonWorkerSide:
 
     def _new_engine(
         self,
-        caches: list[list[torch.Tensor]],
-        region: Any,
+        caches: list[list[torch.Tensor]] | CacheLayout,
+        pool: torch.Tensor,
         region_plan: RegionPlan,
-        row_bytes: int,
+        *,
+        shared_rows: bool,
     ) -> TransferEngine:
-        """The engine on this worker's pages of the region (its row-strided pool)."""
+        """The engine on ``pool`` (this worker's row-strided part of the region), with the
+        extra config's options. ``shared_rows``: every rank addresses the same rows (the
+        single-copy layout, canonical pages), so each calibrates on its own slice of them
+        and the ranks' start-up measurements neither collide nor disturb one another."""
         options = self.engine_options
-        pool = worker_pool_view(region, region_plan)[:, :row_bytes]
+        world = region_plan.world_size
         return TransferEngine(
             self.plan,
             caches,
@@ -312,12 +317,9 @@ class TritonWorkerSide:
             backend=options.backend,
             num_programs=options.num_programs,
             crossover=options.crossover,
-            # Under the single-copy layout every rank addresses the same rows: each
-            # calibrates on its own slice of them, so the ranks' start-up measurements
-            # neither collide nor disturb one another's timings.
             calibration_rows=(
-                (region_plan.rank, region_plan.world_size)
-                if region_plan.replicated and 1 < region_plan.world_size <= self.num_chunks
+                (region_plan.rank, world)
+                if shared_rows and 1 < world <= self.num_chunks
                 else (0, 1)
             ),
         )
@@ -389,11 +391,7 @@ class TritonWorkerSide:
             planes_note = (
                 (STOCK_ROWS if stock else OWN_ROWS)
                 + "\n"
-                + layout_description(
-                    [(p.group, p.pool_offset, p.page_bytes) for p in planes],
-                    self.blocks_per_chunk,
-                    ROW_LAYOUT_VERSION,
-                )
+                + layout_description(planes, self.blocks_per_chunk)
             )
         started = time.perf_counter()
         region = create_worker_region(region_plan, barrier=barrier, tiering=self._tiering_region)
@@ -415,7 +413,12 @@ class TritonWorkerSide:
                     locked = lock_worker_pages(region, region_plan, api_used)
             ready = time.perf_counter()
             if layout is not None:
-                engine = self._new_engine(caches, region, region_plan, layout.row_bytes)
+                engine = self._new_engine(
+                    caches,
+                    worker_pool_view(region, region_plan)[:, : layout.row_bytes],
+                    region_plan,
+                    shared_rows=region_plan.replicated,
+                )
             sealer = self._sealer(engine, region, region_plan)
         except BaseException:
             if ledger is not None:
@@ -472,11 +475,7 @@ class TritonWorkerSide:
         if not self.sealed_pages or engine is None:
             return None
         layout = engine.layout
-        description = layout_description(
-            [(p.group, p.pool_offset, p.page_bytes) for p in layout.planes],
-            self.blocks_per_chunk,
-            ROW_LAYOUT_VERSION,
-        )
+        description = layout_description(layout.planes, self.blocks_per_chunk)
         fmt = SealFormat(
             self.seal_config_digest(),
             digest8(description),
@@ -528,20 +527,11 @@ class TritonWorkerSide:
                 api_used = cuda_api()
                 with torch.cuda.device(layout.device):
                     locked = lock_worker_pages(region, region_plan, api_used)
-            options = self.engine_options
-            world = region_plan.world_size
-            engine = TransferEngine(
-                self.plan,
+            engine = self._new_engine(
                 layout,
-                self.num_chunks,
-                pool=canonical_pool_view(region, region_plan, layout.row_bytes),
-                backend=options.backend,
-                num_programs=options.num_programs,
-                crossover=options.crossover,
-                # Every rank addresses the same rows: each calibrates on its own slice.
-                calibration_rows=(
-                    (region_plan.rank, world) if 1 < world <= self.num_chunks else (0, 1)
-                ),
+                canonical_pool_view(region, region_plan, layout.row_bytes),
+                region_plan,
+                shared_rows=True,  # every rank writes its share of every canonical row
             )
         except BaseException:
             release_region(region, api_used)
@@ -625,9 +615,8 @@ class TritonTieringOffloadingSpec(TritonWorkerSide, TieringOffloadingSpec):  # t
         super().__init__(config)
         if self.stock_rows:
             return  # vLLM's bytes under vLLM's names: shared with stock instances
-        parallel = self.config.parallel
-        engine_id = str(self.config.engine_id)
-        if not self.sealed_pages and planes_verdict(engine_id, int(parallel.world_size)):
+        notes = plane_notes(str(self.config.engine_id), int(self.config.parallel.world_size))
+        if not self.sealed_pages and notes is not None and notes_are_stock(notes):
             # Every worker published rows that are vLLM's CPU worker's bytes (one plane
             # per cache tensor at vLLM's offsets, no seal): vLLM's own names, so stock
             # instances of the same configuration share these chunks.
@@ -638,10 +627,7 @@ class TritonTieringOffloadingSpec(TritonWorkerSide, TieringOffloadingSpec):  # t
         # config's KV dtype: tagging it with this layout files these rows apart
         # from stock vLLM's chunks and from other geometries, in every such tier.
         # The plane part names the workers' published plane arrangement.
-        self.storage_layout = (
-            f"{storage_layout_tag(self)}:"
-            f"{planes_tag(str(self.config.engine_id), int(parallel.world_size))}"
-        )
+        self.storage_layout = f"{storage_layout_tag(self)}:{planes_tag(notes)}"
         model = self.config.model
         self.config = dataclasses.replace(
             self.config,

@@ -122,32 +122,32 @@ def rows_are_stock(
     return True
 
 
-def planes_verdict(engine_id: str, world_size: int) -> bool | None:
-    """True when every worker of the engine published stock rows, False when any
-    published its own, None when some worker has not published."""
-    verdicts = []
+def plane_notes(engine_id: str, world_size: int) -> list[str] | None:
+    """Every worker's published plane note, by rank (None while some worker has not
+    published: the scheduler runs before the workers only outside vLLM's engine, which
+    registers the caches first)."""
+    notes = []
     for rank in range(max(1, int(world_size))):
         try:
             with open(layout_note_path(engine_id, rank)) as handle:
-                verdicts.append(handle.readline().strip() == STOCK_ROWS)
+                notes.append(handle.read())
         except FileNotFoundError:
             return None
-    return all(verdicts)
+    return notes
 
 
-def planes_tag(engine_id: str, world_size: int) -> str:
-    """The tag's plane part: a digest of every worker's published plane arrangement
-    (two planes of K and V and one fused plane of the same bytes differ here), or
-    :data:`PLANES_UNPUBLISHED` when some worker has not published (the scheduler runs
-    before the workers only outside vLLM's engine, which registers the caches first)."""
-    descriptions = []
-    for rank in range(max(1, int(world_size))):
-        try:
-            with open(layout_note_path(engine_id, rank)) as handle:
-                descriptions.append(handle.read())
-        except FileNotFoundError:
-            return PLANES_UNPUBLISHED
-    return "planes-" + digest8("\n".join(descriptions)).hex()
+def notes_are_stock(notes: list[str]) -> bool:
+    """Whether every worker's note says its rows are vLLM's CPU worker's bytes."""
+    return all(note.split("\n", 1)[0].strip() == STOCK_ROWS for note in notes)
+
+
+def planes_tag(notes: list[str] | None) -> str:
+    """The tag's plane part: a digest of every worker's plane arrangement (two planes of
+    K and V and one fused plane of the same bytes differ here), or
+    :data:`PLANES_UNPUBLISHED` without every worker's note."""
+    if notes is None:
+        return PLANES_UNPUBLISHED
+    return "planes-" + digest8("\n".join(notes)).hex()
 
 
 def check_secondary_tiers(tiers: Any, spec_name: str, *, canonical: bool = False) -> None:
@@ -191,7 +191,8 @@ __all__ = [
     "TAGGED_TIERS",
     "UNTAGGABLE_TIERS",
     "check_secondary_tiers",
-    "planes_verdict",
+    "notes_are_stock",
+    "plane_notes",
     "rows_are_stock",
     "stock_row_offsets",
     "storage_layout_tag",

@@ -45,7 +45,7 @@ class TritonTransferResult(TransferResult):  # type: ignore[misc]
 
 def chunk_gpu_blocks(job: JobSpec, group: int, index: int, blocks_per_chunk: int) -> np.ndarray:
     """GPU block ids of group ``group`` that chunk ``index`` of the job covers (the
-    first chunk's leading ``block_indices % bpc`` slots are not the job's)."""
+    first chunk's leading ``first_block_index % bpc`` slots are not the job's)."""
     first = job.first_block_index
     skip = (int(first[group]) if first is not None else 0) % blocks_per_chunk
     lo = max(0, index * blocks_per_chunk - skip)
