@@ -134,7 +134,7 @@ def tally(engine: Engine, row: Row) -> None:
     scheduler = engine.connector_scheduler
     row.failed_loads = scheduler.triton_failed_loads
     row.failed_stores = scheduler.triton_failed_stores
-    row.refused_chunks = len(scheduler.triton_guard._logged)
+    row.refused_chunks = scheduler.triton_guard.chunks_refused
     row.recomputed = sum(engine.recomputed(req_id) for req_id in engine.computed)
 
 

@@ -161,6 +161,8 @@ class ChunkGuard:
         self._logged: set[bytes] = set()
         self._lock = threading.Lock()
         self.promotions_refused = 0
+        #: Chunks refused (each logged once, until a fresh store of its key).
+        self.chunks_refused = 0
 
     # ----------------------------------------------------------------- reporting
 
@@ -169,6 +171,7 @@ class ChunkGuard:
         if key in self._logged:
             return
         self._logged.add(key)
+        self.chunks_refused += 1
         logger.warning(
             "triton_offload: chunk %s from %s refused: %s; it is dropped and its tokens "
             "are recomputed",
