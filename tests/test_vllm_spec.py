@@ -182,25 +182,27 @@ def test_package_import_does_not_import_vllm() -> None:
 
 
 @needs_vllm
-@pytest.mark.parametrize("version", ["0.33.0", "0.33.4", "0.33.1.dev12+gdeadbeef", "v0.33.2"])
+@pytest.mark.parametrize(
+    "version", ["0.33.0", "0.33.4", "0.33.1.dev12+gdeadbeef", "v0.33.2", "0.34.0", "0.34.1+cpu"]
+)
 def test_supported_versions_pass(tv: Any, version: str) -> None:
     assert tv.check_vllm_version(version) == version
 
 
 @needs_vllm
-@pytest.mark.parametrize("version", ["0.34.0", "0.32.9", "1.0.0", "0.4.0", "nightly"])
+@pytest.mark.parametrize("version", ["0.35.0", "0.32.9", "1.0.0", "0.4.0", "nightly"])
 def test_unsupported_version_names_found_and_range(tv: Any, version: str) -> None:
     with pytest.raises(tv.UnsupportedVLLMError) as info:
         tv.check_vllm_version(version)
     message = str(info.value)
     assert version in message
-    assert ">=0.33,<0.34" in message
+    assert ">=0.33,<0.35" in message
     assert isinstance(info.value, ImportError)
 
 
 @needs_vllm
 def test_installed_vllm_is_supported(tv: Any) -> None:
-    assert tv.check_vllm_version().startswith("0.33")
+    assert tv.check_vllm_version().startswith(("0.33", "0.34"))
 
 
 def _reimport_spec_module(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -221,7 +223,7 @@ def test_missing_api_name_is_a_clear_error(tv: Any, monkeypatch: pytest.MonkeyPa
     message = str(info.value)
     assert "CanonicalKVCaches" in message and "vllm.v1.kv_offload.base" in message
     assert tv.installed_vllm_version() in message
-    assert ">=0.33,<0.34" in message
+    assert ">=0.33,<0.35" in message
 
 
 @needs_vllm

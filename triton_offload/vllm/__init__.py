@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 if importlib.util.find_spec("vllm") is None:
     raise ImportError(
         "triton_offload.vllm needs vLLM, which is not installed: "
-        "pip install 'triton-offload[vllm]' (supported: vllm>=0.33,<0.34)"
+        "pip install 'triton-offload[vllm]' (supported: vllm>=0.33,<0.35)"
     )
 
 # Public name -> module of this package that defines it.

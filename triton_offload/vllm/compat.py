@@ -16,8 +16,8 @@ from collections.abc import Iterator
 
 #: The vLLM releases whose offloading API this package implements (inclusive, exclusive).
 SUPPORTED_VLLM_MIN = (0, 33)
-SUPPORTED_VLLM_MAX = (0, 34)
-SUPPORTED_VLLM = ">=0.33,<0.34"
+SUPPORTED_VLLM_MAX = (0, 35)
+SUPPORTED_VLLM = ">=0.33,<0.35"
 
 #: The names under which the plugin registers this package's classes with vLLM.
 SPEC_NAME = "TritonOffloadingSpec"
@@ -54,6 +54,21 @@ def installed_vllm_version() -> str:
         return "unknown"
 
 
+def vllm_release(version: str | None = None) -> tuple[int, int]:
+    """``(major, minor)`` of ``version`` (default: the installed vLLM), checked to be in
+    ``SUPPORTED_VLLM``. The modules that differ between releases branch on this."""
+    found = check_vllm_version(version)
+    match = re.match(r"\s*v?(\d+)\.(\d+)", found)
+    assert match is not None  # check_vllm_version refused anything else
+    return int(match.group(1)), int(match.group(2))
+
+
+#: The first release whose own offloading code routes failed jobs (``failed_jobs`` in the
+#: worker metadata, ``complete_store(success=False)``, ``load_failed``, ``failed_recving``)
+#: and hands workers ``DevicePointers`` instead of GPU block ids.
+VLLM_0_34 = (0, 34)
+
+
 def check_vllm_version(version: str | None = None) -> str:
     """Raise :class:`UnsupportedVLLMError` unless ``version`` is in ``SUPPORTED_VLLM``.
 
@@ -71,8 +86,8 @@ def check_vllm_version(version: str | None = None) -> str:
     if not SUPPORTED_VLLM_MIN <= release < SUPPORTED_VLLM_MAX:
         raise UnsupportedVLLMError(
             f"triton_offload.vllm supports vllm{SUPPORTED_VLLM} (the OffloadingSpec API of "
-            f"vllm 0.33), found vllm {found}; install a supported vllm or a triton-offload "
-            "release made for this one"
+            f"vllm 0.33 and 0.34), found vllm {found}; install a supported vllm or a "
+            "triton-offload release made for this one"
         )
     return found
 
@@ -118,9 +133,11 @@ __all__ = [
     "SUPPORTED_VLLM_MAX",
     "SUPPORTED_VLLM_MIN",
     "TIERING_SPEC_NAME",
+    "VLLM_0_34",
     "BrokenVLLMError",
     "UnsupportedVLLMError",
     "check_vllm_version",
     "installed_vllm_version",
     "supported_vllm_api",
+    "vllm_release",
 ]

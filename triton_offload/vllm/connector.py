@@ -33,14 +33,21 @@ from triton_offload.vllm.compat import (
     CONNECTOR_NAME,
     MODULE_PATH,
     SPEC_NAME,
+    VLLM_0_34,
     logger,
     supported_vllm_api,
+    vllm_release,
 )
-from triton_offload.vllm.integrity import ChunkGuard, TritonWorkerMetadata
+from triton_offload.vllm.integrity import (
+    VLLM_REPORTS_FAILED_JOBS,
+    ChunkGuard,
+    TritonWorkerMetadata,
+)
 from triton_offload.vllm.planning import (
     PLANNED_LOOKUPS,
     LazyPresence,
     check_spans,
+    eagle_drop,
     plan_from_kv_cache_config,
     stock_lookup_hazards,
 )
@@ -61,6 +68,10 @@ with supported_vllm_api():
         OffloadingConnector,
     )
     from vllm.v1.kv_offload.base import LookupResult, TransferResult
+
+#: vLLM 0.34's ``_lookup_complete_chunks`` returns ``(hit, full_attention_hit_boundary)``
+#: and its connector worker resolves each job to ``DevicePointers`` before submitting it.
+_VLLM_0_34 = vllm_release() >= VLLM_0_34
 
 
 class _LookupMemo:
@@ -95,10 +106,12 @@ class _LookupMemo:
 
 
 class _CompletionHook:
-    """The manager as vLLM's completion code sees it for one worker report: a failed
-    store completes with ``success=False`` (its keys released, never published), a
-    failed load keeps its keys out of the request's next lookup; a good store lifts a
-    quarantine. Everything else goes to the manager."""
+    """The manager as vLLM's completion code sees it for one worker report: a good
+    store lifts a quarantine and failed jobs are counted. On vLLM 0.33, which has no
+    failed jobs, it also routes them: a failed store completes with ``success=False``
+    (its keys released, never published), a failed load keeps its keys out of the
+    request's next lookup (vLLM 0.34 does both itself: ``complete_store(success=False)``
+    and the request's ``load_failed``). Everything else goes to the manager."""
 
     def __init__(self, manager: Any, scheduler: Any, failing: dict[int, Any]) -> None:
         self.manager = manager
@@ -110,6 +123,7 @@ class _CompletionHook:
         if job is not None:
             success = False
             self._scheduler.triton_failed_stores += 1
+        if job is not None and not VLLM_REPORTS_FAILED_JOBS:
             logger.warning(
                 "%s: store of %d chunks for request %s failed on a worker; nothing of it "
                 "is published, its keys are free for a later store",
@@ -126,6 +140,7 @@ class _CompletionHook:
         job = self._failing.get(id(keys))
         if job is not None:
             self._scheduler.triton_failed_loads += 1
+        if job is not None and not VLLM_REPORTS_FAILED_JOBS:
             excluded = self._scheduler._triton_excluded.setdefault(job.req_id, set())
             excluded.update(keys)
 
@@ -163,6 +178,7 @@ class TritonOffloadingConnectorScheduler(OffloadingConnectorScheduler):  # type:
             [group.group_idx for group in groups],
             vllm_config.parallel_config,
             int(self.config.blocks_per_chunk),
+            eagle_drop=eagle_drop(vllm_config),
         )
         check_spans(
             plan,
@@ -199,8 +215,10 @@ class TritonOffloadingConnectorScheduler(OffloadingConnectorScheduler):  # type:
         return bool(super()._reserve_sync_load(req_status, num_computed_tokens, hits))
 
     def _update_connector_output(self, connector_output: Any) -> None:
+        if not hasattr(self, "triton_guard"):  # built without __init__, as vLLM's tests do
+            return super()._update_connector_output(connector_output)
         meta = connector_output.kv_connector_worker_meta
-        failed = getattr(meta, "failed_jobs", None) or {}
+        failed = getattr(meta, "failed_jobs", None) or ()
         bad_keys = getattr(meta, "bad_keys", None) or set()
         self._triton_failed_jobs.update(
             job_id for job_id in failed if job_id >= self._stale_job_threshold
@@ -228,12 +246,20 @@ class TritonOffloadingConnectorScheduler(OffloadingConnectorScheduler):  # type:
             guard.drop_pending(self.manager)
 
     def request_finished(self, request: Any) -> Any:
-        self._triton_excluded.pop(request.request_id, None)
+        # A scheduler built without __init__ (vLLM 0.34's tests) has no books of its own.
+        excluded = getattr(self, "_triton_excluded", None)
+        if excluded is not None:
+            excluded.pop(request.request_id, None)
         return super().request_finished(request)
 
     def _lookup_complete_chunks(
         self, req_status: Any, max_num_new_tokens: int | None = None
-    ) -> int | None:
+    ) -> Any:
+        """The planner's hit: an int on vLLM 0.33; on 0.34 ``(hit, boundary)`` with vLLM's
+        full-attention boundary passed through (the keys behind it are the same)."""
+        if not hasattr(self, "triton_plan"):
+            # Built without __init__ (vLLM 0.34's tests): no plan, vLLM's own lookup.
+            return super()._lookup_complete_chunks(req_status, max_num_new_tokens)
         # One lookup asks the manager once per key: vLLM's scan (which may revisit a
         # key while groups cut the hit) and the planner after it share the answers. With
         # the tiering manager a lookup can start a promotion, so a second ask is not free.
@@ -244,14 +270,24 @@ class TritonOffloadingConnectorScheduler(OffloadingConnectorScheduler):  # type:
         )
         self.manager = memo
         try:
-            return self._planned_lookup(req_status, max_num_new_tokens, memo)
+            hit, boundary = self._planned_lookup(req_status, max_num_new_tokens, memo)
         finally:
             self.manager = memo.manager
+        return (hit, boundary) if _VLLM_0_34 else hit
 
     def _planned_lookup(
         self, req_status: Any, max_num_new_tokens: int | None, memo: _LookupMemo
-    ) -> int | None:
+    ) -> tuple[int | None, int | None]:
         stock = super()._lookup_complete_chunks(req_status, max_num_new_tokens)
+        boundary = None
+        if _VLLM_0_34:
+            stock, boundary = stock
+        hit = self._planned_hit(req_status, max_num_new_tokens, memo, stock)
+        return hit, boundary
+
+    def _planned_hit(
+        self, req_status: Any, max_num_new_tokens: int | None, memo: _LookupMemo, stock: Any
+    ) -> int | None:
         if stock is None:
             return None  # the backend asked for time, or chunks are being loaded
         plan = self.triton_plan
@@ -341,12 +377,15 @@ def _blocks_by_group(gpu_spec: Any) -> tuple[tuple[int, ...], ...]:
 class _FailSoftWorker:
     """The offloading worker as vLLM's connector worker calls it: a submit that raises
     or is refused becomes a failed job reported by ``get_finished`` (vLLM asserts every
-    submit), and each load's GPU blocks are kept to name what did not load."""
+    submit), each load's GPU blocks are kept to name what did not load, and each failed
+    load's result passes through ``on_failed_load`` (the connector worker's, which may
+    report it by block ids and hand vLLM another result)."""
 
-    def __init__(self, worker: Any) -> None:
+    def __init__(self, worker: Any, on_failed_load: Any) -> None:
         self.worker = worker
         self.load_blocks: dict[int, tuple[tuple[int, ...], ...]] = {}
         self._refused: list[Any] = []
+        self._on_failed_load = on_failed_load
 
     def _submit(self, what: str, job_id: int, call: Any) -> bool:
         in_flight = getattr(self.worker, "_in_flight", None)
@@ -373,7 +412,8 @@ class _FailSoftWorker:
     def submit_load(
         self, job_id: int, src_spec: Any, dst_spec: Any, expedited: bool = False
     ) -> bool:
-        self.load_blocks[job_id] = _blocks_by_group(dst_spec)
+        if hasattr(dst_spec, "block_ids"):
+            self.load_blocks[job_id] = _blocks_by_group(dst_spec)
         return self._submit(
             "load",
             job_id,
@@ -382,7 +422,7 @@ class _FailSoftWorker:
 
     def get_finished(self) -> list[Any]:
         results, self._refused = self._refused + list(self.worker.get_finished()), []
-        return results
+        return [result if result.success else self._on_failed_load(result) for result in results]
 
     def wait(self, job_ids: Any) -> None:
         refused = {result.job_id for result in self._refused}
@@ -398,34 +438,124 @@ class _FailSoftWorker:
 class TritonOffloadingConnectorWorker(OffloadingConnectorWorker):  # type: ignore[misc]
     """vLLM's connector worker that reports failed transfers instead of asserting.
 
-    vLLM 0.33's worker asserts that every submit is accepted and every job succeeds.
-    Here a failed load names its GPU blocks: with one cache group they are reported by
-    ``get_block_ids_with_load_errors`` (vLLM's ``kv_load_failure_policy`` recomputes
-    from the first of them, or fails the request), with several groups the request is
-    reported in ``failed_recving`` (vLLM refuses block ids that are unique per group
-    only). A failed store is reported to the scheduler, which completes it unpublished.
-    Keys whose chunks failed verification go to the scheduler to be dropped.
+    A failed load names its GPU blocks and the keys whose chunks failed verification go
+    to the scheduler (quarantined there). Who reports a failed load to vLLM's core
+    scheduler depends on the release:
+
+    - vLLM 0.33 asserts that every job succeeds. Here a failed load of one cache group
+      is reported by ``get_block_ids_with_load_errors`` (vLLM's
+      ``kv_load_failure_policy`` recomputes from the first of them, or fails the
+      request); with several groups the request goes in ``failed_recving`` (vLLM refuses
+      block ids that are unique per group only). A failed store is reported in
+      ``failed_jobs`` (backported), and the scheduler completes it unpublished.
+    - vLLM 0.34 routes failed jobs itself (``failed_jobs``, ``failed_recving``,
+      ``load_failed``) and this class leaves that to it, except for what it lacks: a
+      failed sync load raises RuntimeError in vLLM's worker (the engine stops), so a
+      single-group sync load that failed is reported by its block ids and completed as
+      failed in the job books (hybrid models get no sync loads, see the scheduler).
+      Jobs are submitted with GPU block ids: vLLM's per-job pointer resolution is
+      skipped (this project's worker builds its own tables from the ids).
     """
 
     def _triton_setup(self, num_groups: int) -> None:
         self.triton_num_groups = num_groups
         self._connector_worker_meta = TritonWorkerMetadata()
         self._triton_load_errors: set[int] = set()
-        self._triton_failed_recving: set[str] = set()
+        self._triton_failed_requests: set[str] = set()  # vLLM 0.33's failed_recving
 
     def _init_worker(self, kv_caches: Any) -> None:
         super()._init_worker(kv_caches)
-        self.worker = _FailSoftWorker(self.worker)
+        self.worker = _FailSoftWorker(self.worker, self._triton_failed_load)
 
     def take_load_errors(self) -> set[int]:
         errors, self._triton_load_errors = self._triton_load_errors, set()
         return errors
 
-    def take_failed_recving(self) -> set[str]:
-        failed, self._triton_failed_recving = self._triton_failed_recving, set()
+    def take_failed_requests(self) -> set[str]:
+        """vLLM 0.33: the requests whose async load failed (vLLM 0.34 keeps its own)."""
+        failed, self._triton_failed_requests = self._triton_failed_requests, set()
         return failed
 
+    # --------------------------------------------------------- submit (vLLM 0.34)
+
+    def _submit_deferred_stores(self) -> None:
+        for job_id, src_spec, dst_spec in self._unsubmitted_store_jobs:
+            self.worker.submit_store(job_id, src_spec, dst_spec)
+        self._unsubmitted_store_jobs.clear()
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        if _VLLM_0_34:
+            # The stores deferred from the last step go with block ids; vLLM's method
+            # then flushes the preempted requests' stores (resolved to pointers: rare).
+            self._submit_deferred_stores()
+        super().handle_preemptions(kv_connector_metadata)
+
+    def start_kv_transfers(self, metadata: Any) -> None:
+        if not _VLLM_0_34:
+            return super().start_kv_transfers(metadata)
+        # vLLM 0.34's method, with GPU block ids where it resolves pointers per job.
+        self._submit_deferred_stores()
+        sync_job_ids: set[int] = set()
+        for job_id, entry in metadata.load_jobs.items():
+            if entry.sync:
+                sync_job_ids.add(job_id)
+                self._load_jobs[job_id] = None
+                self.worker.submit_load(job_id, entry.src_spec, entry.dst_spec, expedited=True)
+            else:
+                self._load_jobs[job_id] = entry.req_id
+                self.worker.submit_load(job_id, entry.src_spec, entry.dst_spec)
+        if sync_job_ids:
+            self.worker.wait(sync_job_ids)
+
+    # ------------------------------------------------------------------ finish
+
+    def _triton_failed_load(self, result: Any) -> Any:
+        """A failed job's result on its way to vLLM: a load's bad keys go to the
+        scheduler, its GPU blocks are reported by id where that is the route (see the
+        class); the result vLLM's books should see is returned."""
+        job_id = result.job_id
+        if job_id not in self._load_jobs:
+            return result  # a store: vLLM (0.34) or get_finished below (0.33) reports it
+        req_id = self._load_jobs[job_id]
+        blocks = self.worker.load_blocks.pop(job_id, ())
+        failed = getattr(result, "failed_blocks", ()) or blocks
+        self._connector_worker_meta.bad_keys.update(getattr(result, "bad_keys", ()))
+        logger.warning(
+            "%s: load job %r%s failed (%s): %d GPU blocks not loaded, vLLM's "
+            "kv_load_failure_policy decides (recompute or fail)",
+            CONNECTOR_NAME,
+            job_id,
+            "" if req_id is None else f" of request {req_id}",
+            getattr(result, "problem", "") or "the copy failed",
+            sum(len(group) for group in failed),
+        )
+        if _VLLM_0_34:
+            if req_id is not None or self.triton_num_groups != 1:
+                return result  # vLLM's failed_recving (hybrid models have no sync loads)
+            self._triton_load_errors.update(int(b) for b in failed[0])
+            # vLLM's worker raises on a failed sync load; its books get a finished job
+            # (no bytes counted) and the scheduler hears of the failure from the
+            # metadata, as for any failed job.
+            self._connector_worker_meta.failed_jobs.add(job_id)
+            return TransferResult(job_id, True, None, None)
+        if self.triton_num_groups == 1:
+            self._triton_load_errors.update(int(b) for b in failed[0])
+        elif req_id is not None:
+            self._triton_failed_requests.add(req_id)
+        else:
+            # Not reached: the scheduler gives hybrid models no sync loads.
+            logger.error(
+                "%s: a sync load of a model with %d groups failed; vLLM has no way to "
+                "hear of it per request",
+                CONNECTOR_NAME,
+                self.triton_num_groups,
+            )
+        return result
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        if _VLLM_0_34:
+            return super().get_finished(finished_req_ids)
+        # vLLM 0.33's loop without its assert on success.
         assert self.worker is not None
         meta = self._connector_worker_meta
         finished_recving: set[str] = set()
@@ -435,42 +565,12 @@ class TritonOffloadingConnectorWorker(OffloadingConnectorWorker):  # type: ignor
             if result.success and result.transfer_size is not None:
                 stats = meta.transfer_stats.load if is_load else meta.transfer_stats.store
                 stats.record(result.transfer_size, result.transfer_time or 0.0)
-            if not result.success:
-                meta.mark_failed(job_id)
-            meta.mark_completed(job_id)
+            meta.mark_completed(job_id, success=bool(result.success))
             req_id = self._load_jobs.pop(job_id, None)
-            blocks = self.worker.load_blocks.pop(job_id, ())
-            if is_load and not result.success:
-                self._load_failed(result, req_id, blocks)
+            self.worker.load_blocks.pop(job_id, None)
             if req_id is not None:
                 finished_recving.add(req_id)
         return set(), finished_recving
-
-    def _load_failed(self, result: Any, req_id: str | None, blocks: Any) -> None:
-        failed = getattr(result, "failed_blocks", ()) or blocks
-        bad_keys = getattr(result, "bad_keys", ())
-        self._connector_worker_meta.bad_keys.update(bad_keys)
-        logger.warning(
-            "%s: load job %r%s failed (%s): %d GPU blocks not loaded, vLLM's "
-            "kv_load_failure_policy decides (recompute or fail)",
-            CONNECTOR_NAME,
-            result.job_id,
-            "" if req_id is None else f" of request {req_id}",
-            getattr(result, "problem", "") or "the copy failed",
-            sum(len(group) for group in failed),
-        )
-        if self.triton_num_groups == 1:
-            self._triton_load_errors.update(int(b) for b in failed[0])
-        elif req_id is not None:
-            self._triton_failed_recving.add(req_id)
-        else:
-            # Not reached: the scheduler gives hybrid models no sync loads.
-            logger.error(
-                "%s: a sync load of a model with %d groups failed; vLLM has no way to "
-                "hear of it per request",
-                CONNECTOR_NAME,
-                self.triton_num_groups,
-            )
 
     def build_connector_worker_meta(self) -> Any:
         if not self._connector_worker_meta.completed_jobs:
@@ -505,6 +605,7 @@ class TritonOffloadingConnector(OffloadingConnector):  # type: ignore[misc]
             get_offloading_group_ids(kv_cache_config),
             vllm_config.parallel_config,
             int(offloading_config.cache.blocks_per_chunk),
+            eagle_drop=eagle_drop(vllm_config),
         )
         check_spans(
             self.triton_plan,
@@ -568,8 +669,9 @@ class TritonOffloadingConnector(OffloadingConnector):  # type: ignore[misc]
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         results = super().get_transfer_results(finished_req_ids)
         worker = self.connector_worker
-        if isinstance(worker, TritonOffloadingConnectorWorker):
-            results.failed_recving |= worker.take_failed_recving()
+        if isinstance(worker, TritonOffloadingConnectorWorker) and not _VLLM_0_34:
+            # vLLM 0.34's own get_transfer_results fills failed_recving itself.
+            results.failed_recving |= worker.take_failed_requests()
         return results
 
 

@@ -111,26 +111,41 @@ def config_digest(spec: Any, storage_layout: str) -> bytes:
     return digest8(config_description(spec, storage_layout))
 
 
+#: vLLM's worker metadata carries ``failed_jobs`` itself (0.34 and later).
+VLLM_REPORTS_FAILED_JOBS = "failed_jobs" in {
+    field.name for field in dataclasses.fields(OffloadingWorkerMetadata)
+}
+
+
 @dataclasses.dataclass
-class TritonWorkerMetadata(OffloadingWorkerMetadata):  # type: ignore[misc]
-    """vLLM's worker -> scheduler report plus the jobs that failed on some worker and
-    the keys whose chunks failed verification (summed / merged over workers)."""
+class _FailedJobsBackport(OffloadingWorkerMetadata):  # type: ignore[misc]
+    """vLLM 0.34's ``failed_jobs`` / ``mark_completed(job_id, success)`` on vLLM 0.33's
+    metadata, the same names and meaning, so the rest of this package reads one API."""
 
-    failed_jobs: dict[int, int] = dataclasses.field(default_factory=dict)
+    failed_jobs: set[int] = dataclasses.field(default_factory=set)
+
+    def mark_completed(self, job_id: int, success: bool = True) -> None:
+        super().mark_completed(job_id)
+        if not success:
+            self.failed_jobs.add(job_id)
+
+
+_MetadataBase: Any = OffloadingWorkerMetadata if VLLM_REPORTS_FAILED_JOBS else _FailedJobsBackport
+
+
+@dataclasses.dataclass
+class TritonWorkerMetadata(_MetadataBase):  # type: ignore[misc]
+    """vLLM's worker -> scheduler report (with vLLM 0.34's ``failed_jobs``, backported on
+    0.33) plus the keys whose chunks failed verification (merged over workers)."""
+
     bad_keys: set[bytes] = dataclasses.field(default_factory=set)
-
-    def mark_failed(self, job_id: int) -> None:
-        self.failed_jobs[job_id] = 1
 
     def aggregate(self, other: Any) -> Any:
         merged = OffloadingWorkerMetadata.aggregate(self, other)
-        failed = dict(self.failed_jobs)
-        for job_id, count in getattr(other, "failed_jobs", {}).items():
-            failed[job_id] = failed.get(job_id, 0) + count
         return TritonWorkerMetadata(
             completed_jobs=merged.completed_jobs,
             transfer_stats=merged.transfer_stats,
-            failed_jobs=failed,
+            failed_jobs=self.failed_jobs | set(getattr(other, "failed_jobs", ())),
             bad_keys=self.bad_keys | set(getattr(other, "bad_keys", ())),
         )
 
@@ -336,6 +351,7 @@ def region_rows(memory: memoryview | None, num_chunks: int, row_stride: int) -> 
 __all__ = [
     "SEAL_BYTES",
     "VERIFY_KEY",
+    "VLLM_REPORTS_FAILED_JOBS",
     "ChunkGuard",
     "KeyedCPULoadStoreSpec",
     "TritonWorkerMetadata",

@@ -43,7 +43,7 @@ def _layer_spec(kv_cache_spec: Any) -> Any:
 
 
 def group_specs_from_kv_cache_config(
-    kv_cache_config: Any, group_ids: Sequence[int]
+    kv_cache_config: Any, group_ids: Sequence[int], *, eagle_drop: bool = True
 ) -> list[GroupSpec]:
     """The planner's groups for vLLM's cache groups ``group_ids`` (offloading order).
 
@@ -52,6 +52,9 @@ def group_specs_from_kv_cache_config(
     cache replicated (``dcp_sharded=False``). A sliding window's extra retained tokens
     count as window: vLLM keeps (and loads) their blocks. A ``FullAttentionSpec`` that
     records a window (the hybrid allocator off) allocates every block: full attention.
+    ``eagle_drop=False`` (vLLM 0.34 with lookahead block hashes, where a draft group's
+    newest chunk has a stable hash and vLLM stores and loads it) plans EAGLE groups as
+    ordinary ones.
     """
     specs = []
     for group_id in group_ids:
@@ -59,7 +62,7 @@ def group_specs_from_kv_cache_config(
         spec = _layer_spec(group.kv_cache_spec)
         block_size = int(group.kv_cache_spec.block_size)
         name = f"vllm group {group_id}"
-        eagle = bool(getattr(group, "is_eagle_group", False))
+        eagle = eagle_drop and bool(getattr(group, "is_eagle_group", False))
         replicated = None if getattr(spec, "dcp_sharded", True) else False
         if isinstance(spec, MambaSpec):
             specs.append(
@@ -109,9 +112,15 @@ def group_specs_from_kv_cache_config(
 
 
 def plan_from_kv_cache_config(
-    kv_cache_config: Any, group_ids: Sequence[int], parallel_config: Any, blocks_per_chunk: int
+    kv_cache_config: Any,
+    group_ids: Sequence[int],
+    parallel_config: Any,
+    blocks_per_chunk: int,
+    *,
+    eagle_drop: bool = True,
 ) -> OffloadPlan:
-    """The plan of vLLM's offloaded groups, from their cache specs and the parallel sizes."""
+    """The plan of vLLM's offloaded groups, from their cache specs and the parallel sizes
+    (``eagle_drop``: see :func:`group_specs_from_kv_cache_config`)."""
     # vLLM's scheduler reads only the DCP size of its parallel config; TP and PCP never
     # scale a span, so a config without them (one rank each) plans the same.
     dcp = int(parallel_config.decode_context_parallel_size)
@@ -120,8 +129,15 @@ def plan_from_kv_cache_config(
         dcp_size=dcp,
         pcp_size=int(getattr(parallel_config, "prefill_context_parallel_size", 1)),
     )
-    specs = group_specs_from_kv_cache_config(kv_cache_config, group_ids)
+    specs = group_specs_from_kv_cache_config(kv_cache_config, group_ids, eagle_drop=eagle_drop)
     return plan_offload(specs, parallel, blocks_per_chunk=blocks_per_chunk)
+
+
+def eagle_drop(vllm_config: Any) -> bool:
+    """Whether vLLM drops an EAGLE group's newest chunk: always on 0.33; on 0.34 only
+    without lookahead block hashes (``num_hash_lookahead_tokens`` 0), as its scheduler's
+    ``use_lookahead_block_hashes`` decides."""
+    return int(getattr(vllm_config, "num_hash_lookahead_tokens", 0) or 0) <= 0
 
 
 def check_spans(plan: OffloadPlan, spans: Sequence[tuple[int, int]], blocks_per_chunk: int) -> None:
@@ -261,6 +277,7 @@ __all__ = [
     "PLANNED_LOOKUPS",
     "LazyPresence",
     "check_spans",
+    "eagle_drop",
     "group_specs_from_kv_cache_config",
     "plan_from_kv_cache_config",
     "stock_lookup_hazards",

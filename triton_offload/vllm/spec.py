@@ -6,10 +6,11 @@ Backends for vLLM's ``OffloadingConnector``. Select one with ``kv_connector_extr
 may be left out once this package is installed: its ``vllm.general_plugins`` entry
 point, :func:`register`, registers both names with vLLM's spec factory).
 
-Supported: vLLM ``>=0.33,<0.34`` (the ``OffloadingSpec`` API of vllm 0.33: an
+Supported: vLLM ``>=0.33,<0.35`` (the ``OffloadingSpec`` API of vllm 0.33 and 0.34: an
 ``OffloadingConfig`` in the constructor, ``CanonicalKVCaches`` in ``get_worker``,
-explicit ``submit_store`` / ``submit_load``). Another version, or a build whose
-offloading module lacks one of the names used here, raises
+explicit ``submit_store`` / ``submit_load``, which take GPU block ids on 0.33 and
+``DevicePointers`` on 0.34 when vLLM's own connector worker calls them). Another version,
+or a build whose offloading module lacks one of the names used here, raises
 :class:`UnsupportedVLLMError` naming the version found and the supported range.
 
 Scheduler side: the spec *is* vLLM's ``CPUOffloadingSpec`` (or ``TieringOffloadingSpec``,
@@ -85,7 +86,11 @@ from triton_offload.transfer.seal import (
 )
 from triton_offload.vllm.canonical import canonical_cache_layout
 from triton_offload.vllm.compat import logger, supported_vllm_api
-from triton_offload.vllm.convert import caches_from_canonical, plan_from_offloading_config
+from triton_offload.vllm.convert import (
+    caches_from_canonical,
+    device_planes,
+    plan_from_offloading_config,
+)
 from triton_offload.vllm.integrity import (
     ChunkGuard,
     config_digest,
@@ -353,6 +358,7 @@ class TritonWorkerSide:
                 stage_groups=(),
                 blocks_per_chunk=self.blocks_per_chunk,
                 num_chunks=self.num_chunks,
+                device_planes=device_planes(kv_caches),
             )
         if self.num_chunks < 1:
             raise ValueError(
@@ -468,6 +474,7 @@ class TritonWorkerSide:
             replicated_store_timeout_s=self.engine_options.replicated_store_timeout_s,
             sealer=sealer,
             planes_note=self._planes_note,
+            device_planes=device_planes(kv_caches),
         )
 
     def _sealer(self, engine: Any, region: Any, region_plan: RegionPlan) -> PageSealer | None:
@@ -564,6 +571,7 @@ class TritonWorkerSide:
             region=region,
             writer=True,
             cuda_api=api_used,
+            device_planes=device_planes(kv_caches),
         )
 
 

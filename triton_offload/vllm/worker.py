@@ -18,8 +18,8 @@ import numpy as np
 
 from triton_offload.transfer.jobs import TO_POOL, JobSpec
 from triton_offload.transfer.seal import PageSealer, key_digest
-from triton_offload.vllm.compat import logger, supported_vllm_api
-from triton_offload.vllm.convert import split_job
+from triton_offload.vllm.compat import VLLM_0_34, logger, supported_vllm_api, vllm_release
+from triton_offload.vllm.convert import DevicePlane, blocks_from_pointers, split_job
 from triton_offload.vllm.integrity import spec_keys
 from triton_offload.vllm.region import check_ledger_job_id, release_region, wait_until
 from triton_offload.vllm.tiers import withdraw_planes
@@ -27,6 +27,11 @@ from triton_offload.vllm.tiers import withdraw_planes
 with supported_vllm_api():
     from vllm.v1.kv_offload.base import GPULoadStoreSpec, OffloadingWorker, TransferResult
     from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+    # vLLM 0.34's connector worker resolves every job's GPU blocks to pointers first.
+    DevicePointers: Any = None
+    if vllm_release() >= VLLM_0_34:
+        from vllm.v1.kv_offload.base import DevicePointers
 
 
 @dataclasses.dataclass
@@ -69,8 +74,13 @@ def _chunk_entries(job: JobSpec, keys: tuple[bytes, ...] | None) -> list[tuple[i
 class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
     """vLLM ``OffloadingWorker`` backed by a ``TransferEngine`` on vLLM's shared region.
 
-    ``submit_store(job_id, GPULoadStoreSpec, CPULoadStoreSpec)`` and
-    ``submit_load(job_id, CPULoadStoreSpec, GPULoadStoreSpec)`` check the spec
+    ``submit_store(job_id, GPU side, CPULoadStoreSpec)`` and
+    ``submit_load(job_id, CPULoadStoreSpec, GPU side)`` take the GPU side as vLLM's
+    ``GPULoadStoreSpec`` (block ids: vLLM 0.33, and ``TritonOffloadingConnector`` on
+    0.34, which skips vLLM's pointer resolution) or vLLM 0.34's ``DevicePointers`` (what
+    vLLM's own connector worker passes): the block ids behind the pointers are derived
+    and every pointer checked against ``device_planes`` (see
+    :func:`~triton_offload.vllm.convert.blocks_from_pointers`). They check the spec
     types (TypeError) and the block counts (ValueError) before any byte moves;
     ``get_finished`` returns each job once as vLLM's ``TransferResult``; ``wait``
     blocks on jobs still in flight (ids already reported are ignored, as vLLM's
@@ -104,6 +114,7 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
         replicated_store_timeout_s: float = 60.0,
         sealer: PageSealer | None = None,
         planes_note: str | None = None,
+        device_planes: tuple[tuple[DevicePlane, ...], ...] = (),
     ) -> None:
         self.engine = engine
         self.num_groups = num_groups
@@ -126,6 +137,8 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
         #: Seals this worker's pages (None: verification off, or nothing to seal).
         self.sealer = sealer
         self._planes_note = planes_note  # this worker's published planes (tiering spec)
+        #: Per group and ref, where vLLM 0.34's DevicePointers point (see convert).
+        self.device_planes = device_planes
         self._to_seal: dict[Any, list[tuple[int, int, Any]]] = {}  # store job -> chunks
         # Load job -> (its JobSpec, the failed chunks found before the copy).
         self._loads: dict[Any, tuple[JobSpec, list[tuple[int, int, Any, str]]]] = {}
@@ -135,9 +148,19 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
     def _job(self, what: str, gpu: tuple[str, Any], host: tuple[str, Any]) -> Any:
         """The job's ``JobSpec`` (every group of the config)."""
         (gpu_name, gpu_spec), (host_name, host_spec) = gpu, host
-        if not isinstance(gpu_spec, GPULoadStoreSpec):
+        if DevicePointers is not None and isinstance(gpu_spec, DevicePointers):
+            if len(self.device_planes) != self.num_groups:
+                raise ValueError(
+                    f"{what}: {gpu_name} is DevicePointers but this worker was built "
+                    "without the caches' device planes"
+                )
+            gpu_spec = blocks_from_pointers(gpu_spec, self.device_planes, f"{what}: {gpu_name}")
+        elif not isinstance(gpu_spec, GPULoadStoreSpec):
+            accepted = "GPULoadStoreSpec" + (
+                " or DevicePointers" if DevicePointers is not None else ""
+            )
             raise TypeError(
-                f"{what}: {gpu_name} must be vLLM's GPULoadStoreSpec, got {type(gpu_spec).__name__}"
+                f"{what}: {gpu_name} must be vLLM's {accepted}, got {type(gpu_spec).__name__}"
             )
         if not isinstance(host_spec, CPULoadStoreSpec):
             raise TypeError(
