@@ -117,6 +117,7 @@ class Engine:
             kv_events_config=None,
             use_v2_model_runner=False,
             speculative_config=None,
+            num_hash_lookahead_tokens=0,  # vLLM 0.34 reads it (0: no lookahead hashes)
             attention_config=SimpleNamespace(hisparse_config=None),
         )
         self.kv_cache_config = KVCacheConfig(

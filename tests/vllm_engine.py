@@ -11,6 +11,7 @@ Importing this module imports vLLM: a test module imports it inside ``try``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -43,6 +44,8 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 import triton_offload.vllm as tv
+
+RUNNER_OUTPUT_FIELDS = {field.name for field in dataclasses.fields(ModelRunnerOutput)}
 
 BLOCK = 16
 NUM_BLOCKS = 64
@@ -251,9 +254,15 @@ class Engine:
         invalid = self.worker.get_block_ids_with_load_errors()
         report = self.worker.build_connector_worker_meta()
         self.worker.clear_connector_metadata()
+        # vLLM 0.34's ModelRunnerOutput has no req_id_to_index (the index is the order).
+        index = (
+            {"req_id_to_index": {req_id: i for i, req_id in enumerate(scheduled)}}
+            if "req_id_to_index" in RUNNER_OUTPUT_FIELDS
+            else {}
+        )
         runner = ModelRunnerOutput(
             req_ids=scheduled,
-            req_id_to_index={req_id: i for i, req_id in enumerate(scheduled)},
+            **index,
             sampled_token_ids=[
                 [7]
                 if self.scheduler.requests[r].num_computed_tokens

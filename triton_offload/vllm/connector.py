@@ -43,6 +43,7 @@ from triton_offload.vllm.integrity import (
     ChunkGuard,
     TritonWorkerMetadata,
 )
+from triton_offload.vllm.internals import check_vllm_internals
 from triton_offload.vllm.planning import (
     PLANNED_LOOKUPS,
     LazyPresence,
@@ -68,6 +69,8 @@ with supported_vllm_api():
         OffloadingConnector,
     )
     from vllm.v1.kv_offload.base import LookupResult, TransferResult
+
+check_vllm_internals()
 
 #: vLLM 0.34's ``_lookup_complete_chunks`` returns ``(hit, full_attention_hit_boundary)``
 #: and its connector worker resolves each job to ``DevicePointers`` before submitting it.
@@ -205,14 +208,16 @@ class TritonOffloadingConnectorScheduler(OffloadingConnectorScheduler):  # type:
 
     # ---------------------------------------------------------------- failures
 
-    def _reserve_sync_load(self, req_status: Any, num_computed_tokens: int, hits: Any) -> bool:
+    def _reserve_sync_load(
+        self, req_status: Any, num_computed_tokens: int, num_hit_tokens: Any
+    ) -> bool:
         if len(self.config.kv_group_configs) > 1:
             # A sync load's failure can only be reported by block id, which vLLM's
             # scheduler refuses with several groups (ids are unique per group only): a
             # hybrid model's loads are asynchronous, their failures reported per request.
             self._current_batch_sync_loads.discard(req_status.req.request_id)
             return False
-        return bool(super()._reserve_sync_load(req_status, num_computed_tokens, hits))
+        return bool(super()._reserve_sync_load(req_status, num_computed_tokens, num_hit_tokens))
 
     def _update_connector_output(self, connector_output: Any) -> None:
         if not hasattr(self, "triton_guard"):  # built without __init__, as vLLM's tests do
@@ -449,10 +454,13 @@ class TritonOffloadingConnectorWorker(OffloadingConnectorWorker):  # type: ignor
       block ids that are unique per group only). A failed store is reported in
       ``failed_jobs`` (backported), and the scheduler completes it unpublished.
     - vLLM 0.34 routes failed jobs itself (``failed_jobs``, ``failed_recving``,
-      ``load_failed``) and this class leaves that to it, except for what it lacks: a
-      failed sync load raises RuntimeError in vLLM's worker (the engine stops), so a
-      single-group sync load that failed is reported by its block ids and completed as
-      failed in the job books (hybrid models get no sync loads, see the scheduler).
+      ``load_failed``) and this class leaves that to it, except for what it lacks: its
+      worker raises RuntimeError on a failed sync load (the engine stops) and its
+      ``failed_recving`` recomputes a request from token 0. So a single-group load that
+      failed is reported by its block ids, as on 0.33 (recomputed from the first failed
+      block), and is still a failed job in vLLM's books (``failed_jobs``: no bytes
+      counted, the request's ``load_failed``); a hybrid model's failed load is vLLM's
+      ``failed_recving`` (hybrid models get no sync loads, see the scheduler).
       Jobs are submitted with GPU block ids: vLLM's per-job pointer resolution is
       skipped (this project's worker builds its own tables from the ids).
     """
@@ -529,17 +537,18 @@ class TritonOffloadingConnectorWorker(OffloadingConnectorWorker):  # type: ignor
             getattr(result, "problem", "") or "the copy failed",
             sum(len(group) for group in failed),
         )
-        if _VLLM_0_34:
-            if req_id is not None or self.triton_num_groups != 1:
-                return result  # vLLM's failed_recving (hybrid models have no sync loads)
-            self._triton_load_errors.update(int(b) for b in failed[0])
-            # vLLM's worker raises on a failed sync load; its books get a finished job
-            # (no bytes counted) and the scheduler hears of the failure from the
-            # metadata, as for any failed job.
-            self._connector_worker_meta.failed_jobs.add(job_id)
-            return TransferResult(job_id, True, None, None)
         if self.triton_num_groups == 1:
+            # Reported by block id: vLLM's policy recomputes from the first failed block
+            # (vLLM 0.34's own route, failed_recving, recomputes the whole request and a
+            # failed sync load raises in its worker).
             self._triton_load_errors.update(int(b) for b in failed[0])
+            if _VLLM_0_34:
+                # vLLM's books get a finished job (no bytes counted); the scheduler hears
+                # of the failure from the metadata, as for any failed job.
+                self._connector_worker_meta.failed_jobs.add(job_id)
+                return TransferResult(job_id, True, None, None)
+        elif _VLLM_0_34:
+            pass  # vLLM's failed_recving (hybrid models have no sync loads)
         elif req_id is not None:
             self._triton_failed_requests.add(req_id)
         else:

@@ -154,11 +154,18 @@ def default_barrier() -> Callable[[], None] | None:
 
 
 def _vllm_segments() -> int:
+    """vLLM's segment count: ``REGION_SEGMENTS`` of its region module (0.34), or the CPU
+    spec's private ``_REGION_SEGMENTS`` (0.33); both are in ``internals.RELIANCES``."""
     try:
-        from vllm.v1.kv_offload.cpu.spec import _REGION_SEGMENTS
-    except ImportError:  # pragma: no cover - vLLM 0.33 has it
-        return REGION_SEGMENTS
-    return int(_REGION_SEGMENTS)
+        from vllm.v1.kv_offload.cpu.shared_offload_region import (
+            REGION_SEGMENTS as segments,  # vLLM 0.34
+        )
+    except ImportError:
+        try:
+            from vllm.v1.kv_offload.cpu.spec import _REGION_SEGMENTS as segments
+        except ImportError:  # pragma: no cover - one of the two is in every release
+            return REGION_SEGMENTS
+    return int(segments)
 
 
 def _unlink_region_files(engine_id: str) -> None:

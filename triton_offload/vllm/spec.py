@@ -85,7 +85,7 @@ from triton_offload.transfer.seal import (
     layout_description,
 )
 from triton_offload.vllm.canonical import canonical_cache_layout
-from triton_offload.vllm.compat import logger, supported_vllm_api
+from triton_offload.vllm.compat import VLLM_0_34, logger, supported_vllm_api, vllm_release
 from triton_offload.vllm.convert import (
     caches_from_canonical,
     device_planes,
@@ -98,6 +98,7 @@ from triton_offload.vllm.integrity import (
     host_manager,
     region_rows,
 )
+from triton_offload.vllm.internals import check_vllm_internals
 from triton_offload.vllm.options import EngineOptions, validate_cpu_bytes
 from triton_offload.vllm.planning import warn_stock_lookup_hazards
 from triton_offload.vllm.region import (
@@ -131,6 +132,16 @@ with supported_vllm_api():
     from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo
     from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
     from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+    # vLLM 0.34's tiering spec refuses secondary tiers on workers spanning nodes (the
+    # tiers run in the engine core and read only its node's region).
+    reject_workers_across_nodes: Any = None
+    if vllm_release() >= VLLM_0_34:
+        from vllm.v1.kv_offload.tiering.spec import (
+            _reject_workers_across_nodes as reject_workers_across_nodes,
+        )
+
+check_vllm_internals()
 
 
 class TritonWorkerSide:
@@ -330,6 +341,13 @@ class TritonWorkerSide:
         )
 
     def create_worker(self, kv_caches: Any) -> TritonOffloadingWorker:
+        if (
+            reject_workers_across_nodes is not None
+            and self._tiering_region
+            and self.extra_config.get("secondary_tiers")
+            and int(self.config.parallel.world_size) > 1
+        ):
+            reject_workers_across_nodes()  # as vLLM 0.34's tiering spec, before any mapping
         if not isinstance(kv_caches, CanonicalKVCaches):
             raise TypeError(
                 f"get_worker needs vLLM's CanonicalKVCaches, got {type(kv_caches).__name__}"
