@@ -198,11 +198,34 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
 
     # --------------------------------------------------------------- submit
 
-    def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
+    # vLLM's abstract methods name the GPU side per release (0.33: src_spec / dst_spec
+    # with block ids; 0.34: device_ptrs); callers pass it positionally, keyword callers
+    # get the installed release's names. Either kind of GPU side is taken on both.
+    if DevicePointers is None:
+
+        def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
+            return self._store(job_id, ("src_spec", src_spec), dst_spec)
+
+        def submit_load(
+            self, job_id: int, src_spec: Any, dst_spec: Any, expedited: bool = False
+        ) -> bool:
+            return self._load(job_id, src_spec, ("dst_spec", dst_spec), expedited)
+
+    else:
+
+        def submit_store(self, job_id: int, device_ptrs: Any, dst_spec: Any) -> bool:
+            return self._store(job_id, ("device_ptrs", device_ptrs), dst_spec)
+
+        def submit_load(
+            self, job_id: int, src_spec: Any, device_ptrs: Any, expedited: bool = False
+        ) -> bool:
+            return self._load(job_id, src_spec, ("device_ptrs", device_ptrs), expedited)
+
+    def _store(self, job_id: Any, gpu: tuple[str, Any], dst_spec: Any) -> bool:
         if self._closed:
             return False
         what = f"submit_store(job {job_id!r})"
-        job = self._job(what, ("src_spec", src_spec), ("dst_spec", dst_spec))
+        job = self._job(what, gpu, ("dst_spec", dst_spec))
         self._check_new(job_id, what)
         chunks = None
         if self.ledger is not None:
@@ -255,13 +278,11 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
             unregister()
         return accepted
 
-    def submit_load(
-        self, job_id: int, src_spec: Any, dst_spec: Any, expedited: bool = False
-    ) -> bool:
+    def _load(self, job_id: Any, src_spec: Any, gpu: tuple[str, Any], expedited: Any) -> bool:
         if self._closed:
             return False
         what = f"submit_load(job {job_id!r})"
-        job = self._job(what, ("dst_spec", dst_spec), ("src_spec", src_spec))
+        job = self._job(what, gpu, ("src_spec", src_spec))
         self._check_new(job_id, what)
         if self.engine is None:
             self._empty_jobs.append(TransferResult(job_id, True, 0, 0.0))
