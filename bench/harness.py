@@ -40,6 +40,7 @@ from triton_offload.bench.paths import (
 )
 
 from triton_offload.transfer.jobs import JobSpec
+from triton_offload.vllm.convert import blocks_from_pointers, device_planes
 
 #: Paths that run on a CPU-only machine as timed measurements. "auto" is not among
 #: them: without CUDA it *is* the torch path, and timing one path twice only showed
@@ -105,6 +106,14 @@ class HostCost:
     project_s: float
     pointer_s: float
     pointer_impl: str
+    #: vLLM 0.34's connector worker: ``resolve_device_pointers`` per job (what its own
+    #: connector pays before any worker sees the job) ...
+    resolve_s: float | None = None
+    #: ... and this project's worker behind it: resolution, block ids derived from the
+    #: pointers and checked, then the job table (``TritonOffloadingConnector`` on 0.34
+    #: skips the first two: its jobs carry block ids, ``project_s``).
+    pointer_path_s: float | None = None
+    resolve_impl: str = ""
 
     @property
     def ratio(self) -> float:
@@ -639,6 +648,39 @@ def vllm_pointer_builder() -> tuple[Callable[..., None] | None, str]:
     return compute_sub_block_ptrs, "vllm 0.33 compute_sub_block_ptrs (imported)"
 
 
+def vllm_pointer_resolver() -> tuple[Callable[..., Any], str]:
+    """vLLM 0.34's per-job ``resolve_device_pointers`` if it imports here, else a numpy
+    re-creation of it (one vectorized ``base + id * stride`` per ref)."""
+    try:
+        from vllm.v1.kv_offload.pointer_utils import resolve_device_pointers
+    except Exception:  # vllm missing, older than 0.34, or importable only with CUDA
+        return _numpy_resolve_device_pointers, (
+            "numpy re-creation of vLLM 0.34's resolve_device_pointers"
+        )
+    return resolve_device_pointers, "vllm 0.34 resolve_device_pointers (imported)"
+
+
+def _numpy_resolve_device_pointers(device_spec: Any, kv_caches: Any) -> Any:
+    """What vLLM 0.34's ``resolve_device_pointers`` returns, for vLLM-less hosts."""
+    from types import SimpleNamespace
+
+    ptrs, sizes, start = [], [], 0
+    for size, refs in zip(device_spec.group_sizes, kv_caches.group_data_refs, strict=True):
+        ids = device_spec.block_ids[start : start + size].astype(np.uint64)
+        start += size
+        for ref in refs if size else ():
+            tensor = kv_caches.tensors[ref.tensor_idx].tensor
+            ptrs.append(np.uint64(tensor.data_ptr()) + ids * np.uint64(tensor.stride(0)))
+            sizes.append(np.full(size, ref.page_size_bytes, dtype=np.uint64))
+    return SimpleNamespace(
+        ptrs=np.concatenate(ptrs) if ptrs else np.zeros(0, np.uint64),
+        sizes=np.concatenate(sizes) if sizes else np.zeros(0, np.uint64),
+        group_block_counts=tuple(device_spec.group_sizes),
+        group_data_ref_counts=tuple(len(refs) for refs in kv_caches.group_data_refs),
+        block_indices=tuple(device_spec.block_indices),
+    )
+
+
 def _numpy_sub_block_ptrs(
     block_ids: np.ndarray, blocks_per_chunk: int, output: np.ndarray, tensor: torch.Tensor
 ) -> None:
@@ -663,6 +705,10 @@ class JobPreparation:
     project: Callable[[], object]
     pointers: Callable[[], object]
     pointer_impl: str
+    #: vLLM 0.34's resolution alone, and with this project's worker behind it.
+    resolve: Callable[[], object] = lambda: None
+    pointer_path: Callable[[], object] = lambda: None
+    resolve_impl: str = ""
 
     def close(self) -> None:
         self.engine.shutdown()
@@ -704,7 +750,40 @@ def job_preparation(case: Case) -> JobPreparation:
     def project() -> object:
         return engine.build_job_table(JobSpec(ws.gpu_blocks, ws.host_rows), 0)
 
-    return JobPreparation(ws, engine, project, pointers, impl)
+    resolve_fn, resolve_impl = vllm_pointer_resolver()
+    kv_caches, planes, device_spec = _vllm_034_job(ws)
+
+    def resolve() -> object:
+        return resolve_fn(device_spec, kv_caches)
+
+    def pointer_path() -> object:
+        blocks = blocks_from_pointers(resolve_fn(device_spec, kv_caches), planes, "bench job")
+        bounds = np.cumsum([0, *blocks.group_sizes])
+        gpu = [blocks.block_ids[bounds[g] : bounds[g + 1]] for g in range(len(planes))]
+        return engine.build_job_table(JobSpec(gpu, ws.host_rows), 0)
+
+    return JobPreparation(ws, engine, project, pointers, impl, resolve, pointer_path, resolve_impl)
+
+
+def _vllm_034_job(ws: Workspace) -> tuple[Any, Any, Any]:
+    """The case's caches as vLLM 0.34's ``CanonicalKVCaches`` (one int8 tensor and one
+    ref per plane, as its connector worker builds them for these layouts), the device
+    planes this project's worker derives from them, and the job as a GPU spec."""
+    from types import SimpleNamespace
+
+    tensors, refs = [], [[] for _ in range(ws.layout.num_groups)]
+    for plane in ws.layout.planes:
+        refs[plane.group].append(
+            SimpleNamespace(tensor_idx=len(tensors), page_size_bytes=plane.page_bytes)
+        )
+        tensors.append(SimpleNamespace(tensor=plane.view.view(torch.int8)))
+    kv_caches = SimpleNamespace(tensors=tensors, group_data_refs=refs)
+    spec = SimpleNamespace(
+        block_ids=np.concatenate([np.asarray(b, dtype=np.int64) for b in ws.gpu_blocks]),
+        group_sizes=[len(b) for b in ws.gpu_blocks],
+        block_indices=[0] * len(ws.gpu_blocks),
+    )
+    return kv_caches, device_planes(kv_caches), spec
 
 
 def host_cost(case: Case, repeats: int) -> HostCost:
@@ -720,6 +799,9 @@ def host_cost(case: Case, repeats: int) -> HostCost:
             project_s=_median_seconds(prep.project, repeats),
             pointer_s=_median_seconds(prep.pointers, repeats),
             pointer_impl=prep.pointer_impl,
+            resolve_s=_median_seconds(prep.resolve, repeats),
+            pointer_path_s=_median_seconds(prep.pointer_path, repeats),
+            resolve_impl=prep.resolve_impl,
         )
     finally:
         prep.close()

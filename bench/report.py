@@ -182,7 +182,21 @@ MEASUREMENT_HEADER = [
     "note",
 ]
 
-HOST_HEADER = ["case", "blocks", "planes", "descriptors", "project us", "pointers us", "ratio"]
+HOST_HEADER = [
+    "case",
+    "blocks",
+    "planes",
+    "descriptors",
+    "project us",
+    "pointers us",
+    "ratio",
+    "0.34 resolve us",
+    "0.34 pointer path us",
+]
+
+
+def _micros(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e6:.0f}"
 
 
 def _host_cells(h: HostCost) -> list[str]:
@@ -194,6 +208,8 @@ def _host_cells(h: HostCost) -> list[str]:
         f"{h.project_s * 1e6:.0f}",
         f"{h.pointer_s * 1e6:.0f}",
         f"{h.ratio:.1f}x",
+        _micros(h.resolve_s),
+        _micros(h.pointer_path_s),
     ]
 
 
@@ -251,7 +267,11 @@ def terminal_report(results: Results) -> str:
         impl = results.host_costs[0].pointer_impl
         sections.append(
             "Host cost of preparing one job (full-size model, median): project "
-            f"build_job_table vs per-(block x layer) pointers [{impl}]:"
+            f"build_job_table (block ids: vLLM 0.33, and TritonOffloadingConnector on 0.34) "
+            f"vs per-(block x layer) pointers [{impl}]; vLLM 0.34's connector worker "
+            f"resolves every job to pointers first [{results.host_costs[0].resolve_impl}], "
+            "and behind vLLM's OffloadingConnector this project's worker derives the block "
+            "ids from them (0.34 pointer path = resolve + derive and check + job table):"
         )
         sections.append(text_table(HOST_HEADER, [_host_cells(h) for h in results.host_costs]))
     if results.correctness:
