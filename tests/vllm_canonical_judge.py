@@ -4,16 +4,18 @@ Caches are registered with vLLM's own ``OffloadingConnectorWorker.register_kv_ca
 (so the ``CanonicalKVCaches`` and their ``CopyRun`` mappings come from vLLM's
 ``derive_canonical_mappings``), and vLLM's own descriptor code
 (``SingleDirectionOffloadingHandler._fill_canonical_ops`` with its writer rotation, on
-CPU tensors carved by ``SharedOffloadRegion.create_next_canonical_view``) is replayed
-with ``ctypes.memmove``: vLLM's CUDA worker cannot run on CPU (it asserts CUDA
-tensors), its descriptors can. Used by ``test_vllm_canonical.py`` and by the real-tier
-harness (``tier_peers.py``), whose stock vLLM instances write and read their rows this
-way.
+CPU tensors carved by ``SharedOffloadRegion.create_next_canonical_view``; from vLLM
+0.34 on, fed GPU pointers from its ``resolve_device_pointers``) is replayed with
+``ctypes.memmove``: vLLM's CUDA worker cannot run on CPU (it needs CUDA streams and
+copy kernels), its descriptors can. Used by ``test_vllm_canonical.py`` and by the
+real-tier harness (``tier_peers.py``), whose stock vLLM instances write and read their
+rows this way.
 """
 
 from __future__ import annotations
 
 import ctypes
+import inspect
 import types
 from dataclasses import dataclass
 from typing import Any
@@ -156,6 +158,15 @@ def canonical_views(
     return [region.create_next_canonical_view(size * blocks_per_chunk) for size in sizes]
 
 
+#: vLLM 0.34 resolves GPU blocks to pointers before its handler runs
+#: (``resolve_device_pointers``) and ``_fill_canonical_ops`` takes those pointers plus
+#: the CPU chunk ids; 0.33 took GPU and CPU block ids for both sides. Which one the
+#: installed vLLM has decides how its descriptors are produced.
+_FILL_TAKES_DEVICE_POINTERS = "device_ptrs" in (
+    inspect.signature(gpu_worker.SingleDirectionOffloadingHandler._fill_canonical_ops).parameters
+)
+
+
 def vllm_replay(
     kv_caches: Any, pool: torch.Tensor, job: JobSpec, store: bool, blocks_per_chunk: int = BPC
 ) -> None:
@@ -165,9 +176,76 @@ def vllm_replay(
     area at the start of each row; ``job``: GPU blocks, host rows and first block index
     per group, as this project's engine takes them.
     """
+    cpu = canonical_views(kv_caches, pool, blocks_per_chunk)
+    fill = _device_pointer_ops if _FILL_TAKES_DEVICE_POINTERS else _block_id_ops
+    src, dst, lengths = fill(kv_caches, cpu, job, store, blocks_per_chunk)
+    for target, source, length in zip(dst, src, lengths, strict=True):
+        ctypes.memmove(int(target), int(source), int(length))
+
+
+def _descriptor_buffers(total: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    src, dst, lengths = (np.zeros(total, dtype=np.int64) for _ in range(3))
+    return src, dst, lengths
+
+
+def _device_pointer_ops(
+    kv_caches: Any, cpu: list[torch.Tensor], job: JobSpec, store: bool, blocks_per_chunk: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """vLLM >= 0.34: the connector's ``resolve_device_pointers`` turns the GPU spec
+    into pointers, and the handler (built by its own constructor, which no longer
+    asserts CUDA tensors) fills descriptors group by group as its ``transfer_async``
+    does, slicing the concatenated CPU chunk ids by ``iter_pointer_groups``."""
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+    from vllm.v1.kv_offload.pointer_utils import iter_pointer_groups, resolve_device_pointers
+
+    handler = gpu_worker.SingleDirectionOffloadingHandler(
+        cpu_tensors=cpu,
+        blocks_per_chunk=blocks_per_chunk,
+        layer_refs_per_group=kv_caches.group_data_refs,
+        gpu_to_cpu=store,
+        canonical_layout=True,
+        # Plain host memory: keeps the handler on the copy-engine path, which touches
+        # no device at construction.
+        host_memory_is_pinned=False,
+    )
+    gpu_spec = GPULoadStoreSpec(
+        [int(block) for blocks in job.gpu_blocks for block in blocks],
+        group_sizes=[blocks.size for blocks in job.gpu_blocks],
+        block_indices=[int(first) for first in job.first_block_index],
+    )
+    device_ptrs = resolve_device_pointers(gpu_spec, kv_caches)
+    cpu_blocks = np.concatenate([np.asarray(hosts, dtype=np.int64) for hosts in job.host_blocks])
+    src, dst, lengths = _descriptor_buffers(
+        handler._estimate_max_copy_ops(device_ptrs.group_block_counts)
+    )
+    op = cpu_offset = 0
+    for group in iter_pointer_groups(device_ptrs, blocks_per_chunk):
+        cpu_end = cpu_offset + group.n_chunks
+        assert cpu_end <= cpu_blocks.size
+        op, _ = handler._fill_canonical_ops(
+            group.group_idx,
+            device_ptrs=device_ptrs,
+            dev_ptr_offset=group.dev_ptr_offset,
+            cpu_block_ids=cpu_blocks[cpu_offset:cpu_end],
+            group_size=group.group_size,
+            cpu_skip_count=group.skip,
+            all_src=src,
+            all_dst=dst,
+            all_sizes=lengths,
+            op_idx=op,
+        )
+        cpu_offset = cpu_end
+    assert cpu_offset == cpu_blocks.size
+    return src[:op], dst[:op], lengths[:op]
+
+
+def _block_id_ops(
+    kv_caches: Any, cpu: list[torch.Tensor], job: JobSpec, store: bool, blocks_per_chunk: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """vLLM 0.33: block ids on both sides, on a handler whose attributes are set
+    by hand because its constructor asserts CUDA tensors."""
     handler = object.__new__(gpu_worker.SingleDirectionOffloadingHandler)
     gpu = [t.tensor.view(torch.int8).view((-1, t.page_size_bytes)) for t in kv_caches.tensors]
-    cpu = canonical_views(kv_caches, pool, blocks_per_chunk)
     handler.src_tensors, handler.dst_tensors = (gpu, cpu) if store else (cpu, gpu)
     handler.gpu_to_cpu = store
     handler.layer_refs_per_group = kv_caches.group_data_refs
@@ -184,8 +262,7 @@ def vllm_replay(
         max(1, sum(b.size for b in job.gpu_blocks)), dtype=np.uint64
     )
     sizes = [blocks.size for blocks in job.gpu_blocks]
-    total = handler._estimate_max_copy_ops(sizes)
-    src, dst, lengths = (np.zeros(total, dtype=np.int64) for _ in range(3))
+    src, dst, lengths = _descriptor_buffers(handler._estimate_max_copy_ops(sizes))
     op = 0
     for group, (blocks, hosts, first) in enumerate(
         zip(job.gpu_blocks, job.host_blocks, job.first_block_index, strict=True)
@@ -205,5 +282,4 @@ def vllm_replay(
             all_sizes=lengths,
             op_idx=op,
         )
-    for target, source, length in zip(dst[:op], src[:op], lengths[:op], strict=True):
-        ctypes.memmove(int(target), int(source), int(length))
+    return src[:op], dst[:op], lengths[:op]
