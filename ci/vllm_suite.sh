@@ -9,8 +9,9 @@
 # the package index (once; cached in .vllm-suite/), installs ci/vllm-suite.txt, and runs
 # tests/v1/kv_connector/unit/offloading_connector (and, in spec mode, vLLM's spec factory tests)
 # through ci/vllm_suite_plugin.py, which only substitutes classes. Tests expected to
-# fail, each with its reason, are listed in ci/vllm_suite_expected_failures.txt; any
-# other failure, or a listed test that passes, fails this script.
+# fail, each with its reason, are listed per release in
+# ci/vllm_suite_expected_failures-<major.minor>.txt; any other failure, or a listed test
+# that passes, fails this script.
 #
 # The model config vLLM's tests name (facebook/opt-125m) is a local stand-in with the
 # model's dimensions and no weights, in a private Hugging Face cache; the hub is offline.

@@ -10,20 +10,35 @@ comes from ``TRITON_OFFLOAD_SUITE_MODE``:
   ``TritonOffloadingSpec`` and ``TritonTieringOffloadingSpec`` (by factory name and
   module attribute), so every spec a test builds moves bytes through this project.
 
-Tests listed in ``ci/vllm_suite_expected_failures.txt`` for the mode are marked
-``xfail(strict=True)`` with the listed reason: one that passes fails the run, so the
-list cannot go stale.
+Tests listed for the mode in ``ci/vllm_suite_expected_failures-<release>.txt`` (the
+installed vLLM's major.minor, e.g. ``-0.34.txt``: each release's suite has its own tests
+and its own reasons) are marked ``xfail(strict=True)`` with the listed reason: one that
+passes fails the run, so the list cannot go stale.
+
+On vLLM >= 0.34 it also lets the CPU platform build configs without triton-cpu, for the
+tests only (``ci/vllm_cpu_platform.py``).
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 from pathlib import Path
 
 import pytest
+from vllm_cpu_platform import allow_x86_cpu_without_triton
 
 MODES = ("connector", "spec")
-EXPECTED = Path(__file__).with_name("vllm_suite_expected_failures.txt")
+
+
+def expected_failures_file(version: str | None = None) -> Path:
+    """The expected-failure list of the installed (or the given) vLLM release."""
+    version = version or importlib.metadata.version("vllm")
+    release = ".".join(version.lstrip("v").split(".")[:2])
+    path = Path(__file__).with_name(f"vllm_suite_expected_failures-{release}.txt")
+    if not path.exists():
+        raise pytest.UsageError(f"no expected-failure list for vllm {version}: {path} is missing")
+    return path
 
 
 def _mode() -> str:
@@ -36,12 +51,13 @@ def _mode() -> str:
 def expected_failures(mode: str) -> dict[str, str]:
     """``node id -> reason`` for ``mode``; lines are ``mode | node id | reason``."""
     found: dict[str, str] = {}
-    for number, line in enumerate(EXPECTED.read_text().splitlines(), 1):
+    expected = expected_failures_file()
+    for number, line in enumerate(expected.read_text().splitlines(), 1):
         if not line.strip() or line.startswith("#"):
             continue
         parts = [part.strip() for part in line.split("|")]
         if len(parts) != 3 or not all(parts) or parts[0] not in MODES:
-            raise pytest.UsageError(f"{EXPECTED.name}:{number}: want 'mode | node id | reason'")
+            raise pytest.UsageError(f"{expected.name}:{number}: want 'mode | node id | reason'")
         if parts[0] == mode:
             found[parts[1]] = parts[2]
     return found
@@ -78,6 +94,7 @@ def _substitute_specs() -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     mode = _mode()
+    allow_x86_cpu_without_triton()
     # Before any test module imports vLLM's names: the tests see this project's classes.
     if mode == "connector":
         _substitute_connector()
