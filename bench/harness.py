@@ -40,7 +40,7 @@ from triton_offload.bench.paths import (
 )
 
 from triton_offload.transfer.jobs import JobSpec
-from triton_offload.vllm.convert import blocks_from_pointers, device_planes
+from triton_offload.transfer.pointers import blocks_from_pointers, device_planes
 
 #: Paths that run on a CPU-only machine as timed measurements. "auto" is not among
 #: them: without CUDA it *is* the torch path, and timing one path twice only showed

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from triton_offload.vllm.convert import blocks_from_pointers, device_planes
+from triton_offload.transfer.pointers import blocks_from_pointers, device_planes
 
 NUM_BLOCKS = 20
 

@@ -76,6 +76,7 @@ import torch
 from triton_offload import __version__
 from triton_offload.transfer.engine import TransferEngine
 from triton_offload.transfer.layout import CacheLayout, build_layout
+from triton_offload.transfer.pointers import device_planes
 from triton_offload.transfer.pool import cuda_api
 from triton_offload.transfer.seal import (
     SEAL_BYTES,
@@ -86,11 +87,7 @@ from triton_offload.transfer.seal import (
 )
 from triton_offload.vllm.canonical import canonical_cache_layout
 from triton_offload.vllm.compat import VLLM_0_34, logger, supported_vllm_api, vllm_release
-from triton_offload.vllm.convert import (
-    caches_from_canonical,
-    device_planes,
-    plan_from_offloading_config,
-)
+from triton_offload.vllm.convert import caches_from_canonical, plan_from_offloading_config
 from triton_offload.vllm.integrity import (
     ChunkGuard,
     config_digest,

@@ -17,9 +17,10 @@ from typing import Any
 import numpy as np
 
 from triton_offload.transfer.jobs import TO_POOL, JobSpec
+from triton_offload.transfer.pointers import DevicePlane, blocks_from_pointers
 from triton_offload.transfer.seal import PageSealer, key_digest
 from triton_offload.vllm.compat import VLLM_0_34, logger, supported_vllm_api, vllm_release
-from triton_offload.vllm.convert import DevicePlane, blocks_from_pointers, split_job
+from triton_offload.vllm.convert import split_job
 from triton_offload.vllm.integrity import spec_keys
 from triton_offload.vllm.region import check_ledger_job_id, release_region, wait_until
 from triton_offload.vllm.tiers import withdraw_planes
