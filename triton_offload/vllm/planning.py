@@ -17,7 +17,14 @@ from typing import Any
 from triton_offload.planner.groups import GroupKind, GroupSpec, ParallelSpec
 from triton_offload.planner.lookup import ComputedPresence
 from triton_offload.planner.plan import OffloadPlan, plan_offload
-from triton_offload.vllm.compat import CONNECTOR_NAME, MODULE_PATH, logger, supported_vllm_api
+from triton_offload.vllm.compat import (
+    CONNECTOR_NAME,
+    MODULE_PATH,
+    VLLM_0_34,
+    logger,
+    supported_vllm_api,
+    vllm_release,
+)
 
 with supported_vllm_api():
     from vllm.v1.kv_cache_interface import (
@@ -137,7 +144,9 @@ def eagle_drop(vllm_config: Any) -> bool:
     """Whether vLLM drops an EAGLE group's newest chunk: always on 0.33; on 0.34 only
     without lookahead block hashes (``num_hash_lookahead_tokens`` 0), as its scheduler's
     ``use_lookahead_block_hashes`` decides."""
-    return int(getattr(vllm_config, "num_hash_lookahead_tokens", 0) or 0) <= 0
+    if vllm_release() < VLLM_0_34:
+        return True  # vLLM 0.33 has no lookahead hashes (its config has no such field)
+    return not vllm_config.num_hash_lookahead_tokens > 0
 
 
 def check_spans(plan: OffloadPlan, spans: Sequence[tuple[int, int]], blocks_per_chunk: int) -> None:
