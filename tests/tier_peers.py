@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import importlib
 import importlib.util
 import multiprocessing
 import os
@@ -82,9 +83,28 @@ NEEDS = {
 }
 
 
+#: vLLM's module of each tier that imports a dependency's API (not just its name).
+TIER_MODULES = {"kvcr": "vllm.v1.kv_offload.tiering.kvcr.manager"}
+
+
+def unusable(tier: str) -> str | None:
+    """Why the installed vLLM cannot build ``tier`` on its installed dependencies, or
+    None. vLLM 0.34's kvcr tier imports names kvcr 0.1.1 (the latest release) does not
+    have (``kvcr.ZmqPeerControlChannel``); no install of the tiers extra fixes that."""
+    module = TIER_MODULES.get(tier)
+    if module is None or missing_modules(*NEEDS[tier]):
+        return None
+    prefer_cuda12_nixl()
+    try:
+        importlib.import_module(module)
+    except ImportError as error:
+        return f"the installed vLLM's {tier} tier cannot be imported: {error}"
+    return None
+
+
 def require(tier: str) -> None:
     """Skip (fail where ``TRITON_OFFLOAD_REQUIRE_TIERS=1``, as in CI) without the tier's
-    dependencies."""
+    dependencies; skip where the installed vLLM's tier does not work with them."""
     import pytest
 
     missing = missing_modules(*NEEDS[tier])
@@ -96,6 +116,9 @@ def require(tier: str) -> None:
         if os.environ.get("TRITON_OFFLOAD_REQUIRE_TIERS") == "1":
             pytest.fail(reason)
         pytest.skip(reason)
+    problem = unusable(tier)
+    if problem:
+        pytest.skip(problem)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -522,6 +545,28 @@ def _canonical_geometry(config: PeerConfig) -> Any:
     )
 
 
+@contextlib.contextmanager
+def _ranks_on_one_node() -> Iterator[None]:
+    """Build workers of every rank in this one process.
+
+    vLLM 0.34's tiering spec (and this project's, as it does) asks vLLM's TP, PP and PCP
+    process groups whether the workers span nodes before a worker maps the region; the
+    harness has no such groups, and its ranks share one process, so one node. The
+    check is answered for the duration; 0.33 has none.
+    """
+    import triton_offload.vllm.spec as spec_module
+
+    check = getattr(spec_module, "reject_workers_across_nodes", None)
+    if check is None:
+        yield
+        return
+    spec_module.reject_workers_across_nodes = lambda: None
+    try:
+        yield
+    finally:
+        spec_module.reject_workers_across_nodes = check
+
+
 class _Instance:
     """The child's spec, manager, optional workers, caches and the region's rows."""
 
@@ -540,6 +585,9 @@ class _Instance:
         self.manager = self.spec.get_manager()
         #: This project's workers, one per rank (none for the stock spec).
         self.workers: list[Any] = []
+        #: Per worker, the CanonicalKVCaches it was built on (vLLM 0.34 resolves a
+        #: job's GPU blocks to pointers into them before submitting it).
+        self.worker_caches: list[Any] = []
         #: Per rank, vLLM's CanonicalKVCaches (canonical_layout only).
         self.canonical: list[Any] = []
         #: The cache pages a chunk's blocks are read from and loaded into: (num_blocks,
@@ -566,8 +614,10 @@ class _Instance:
                     OffloadingSpecFactory.create_spec(_offloading_config(config, rank))
                     for rank in range(1, config.tp)
                 ]
-                for spec, kv_caches in zip(specs, self.canonical, strict=True):
-                    self.workers.append(spec.get_worker(kv_caches))
+                with _ranks_on_one_node():
+                    for spec, kv_caches in zip(specs, self.canonical, strict=True):
+                        self.workers.append(spec.get_worker(kv_caches))
+                self.worker_caches = list(self.canonical)
         elif config.spec_name == TRITON:
             if config.tp != 1:
                 raise ValueError("tp > 1 needs canonical_layout in this harness")
@@ -589,10 +639,13 @@ class _Instance:
                 group_data_refs=[refs],
             )
             self.workers.append(self.spec.get_worker(caches))
+            self.worker_caches = [caches]
         view = self.manager.primary_tier.get_kv_memoryview()
         self.rows = np.frombuffer(view, dtype=np.uint8).reshape(self.spec.num_chunks, -1)
         self._job = 0
         self._next_block = 0
+        #: Whether a lookup already waited for the p2p handshake with the source.
+        self._handshaken = False
 
     # --------------------------------------------------------------- stepping
 
@@ -676,7 +729,8 @@ class _Instance:
                     self._replay(judge, blocks, 0, store=True)
                     entry["replayed"] = judge.numpy().tobytes()
                 for rank, worker in enumerate(self.workers):
-                    if not worker.submit_store(self._job, spec, out.store_spec):
+                    gpu = self._gpu_side(rank, spec)
+                    if not worker.submit_store(self._job, gpu, out.store_spec):
                         raise RuntimeError(f"rank {rank}: submit_store refused")
                 self._finish(self._job)
                 entry["blocks"] = self._block_bytes(blocks)
@@ -709,6 +763,7 @@ class _Instance:
         with manager.lock:
             manager.on_new_request(context)
         try:
+            self._await_handshake(context)
             for name, key in zip(names, keys, strict=True):
                 started = time.monotonic()
                 deadline = started + self.config.lookup_timeout_s
@@ -746,6 +801,36 @@ class _Instance:
                 manager.on_request_finished(context)
         return found
 
+    def _await_handshake(self, context: Any) -> None:
+        """On this instance's first lookup from a p2p source, wait (stepping, within the
+        lookup deadline) until its session with the source completed the handshake that
+        the request's ``on_new_request`` started.
+
+        Until then vLLM 0.34's p2p tier answers MISS (the request prefills locally rather
+        than wait on a peer that may be gone), 0.33's RETRY; a later request finds the
+        session ready. Later lookups do not wait: a session to a source that died must
+        answer as vLLM answers it.
+        """
+        if self._handshaken or not self.config.source or self.config.source["kind"] != "p2p":
+            return
+        self._handshaken = True
+        from vllm.v1.kv_offload.tiering.p2p.manager import (
+            P2PSecondaryTierManager,
+            P2PSourceInfo,
+        )
+
+        manager = self.manager
+        (tier,) = (t for t in manager.secondary_tiers if isinstance(t, P2PSecondaryTierManager))
+        source = context.get_state(P2PSourceInfo)
+        deadline = time.monotonic() + self.config.lookup_timeout_s
+        while time.monotonic() < deadline:
+            with manager.lock:
+                session = tier._sessions.get(source.peer_id)
+                if session is None or session.ready or not session.alive:
+                    return  # ready, or never to be: the lookups say which
+            time.sleep(0.005)
+            self.step()
+
     def _load(self, load_spec: Any, row: int, gpu_spec: Any) -> bytes:
         """Load one chunk (host row ``row``) into poisoned cache blocks; the blocks'
         bytes, page by page."""
@@ -758,11 +843,22 @@ class _Instance:
             self._replay(torch.from_numpy(self.rows), blocks, row, store=False)
             return self._block_bytes(blocks)
         self._job += 1
+        spec = gpu_spec(blocks, [len(blocks)], [0])
         for rank, worker in enumerate(self.workers):
-            if not worker.submit_load(self._job, load_spec, gpu_spec(blocks, [len(blocks)], [0])):
+            if not worker.submit_load(self._job, load_spec, self._gpu_side(rank, spec)):
                 raise RuntimeError(f"rank {rank}: submit_load refused")
         self._finish(self._job)
         return self._block_bytes(blocks)
+
+    def _gpu_side(self, rank: int, spec: Any) -> Any:
+        """A job's GPU side for rank ``rank``'s worker, as the installed vLLM's connector
+        worker passes it: vLLM 0.34 resolves the blocks to ``DevicePointers`` into the
+        worker's caches, 0.33 passes the ``GPULoadStoreSpec``."""
+        try:
+            from vllm.v1.kv_offload.pointer_utils import resolve_device_pointers
+        except ImportError:
+            return spec
+        return resolve_device_pointers(spec, self.worker_caches[rank])
 
     def _block_bytes(self, blocks: list[int]) -> bytes:
         return b"".join(page[blocks].numpy().tobytes() for page in self.pages)

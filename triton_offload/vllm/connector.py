@@ -134,7 +134,7 @@ class _CompletionHook:
                 len(keys),
                 job.req_id,
             )
-        self.manager.complete_store(keys, req_context, success)
+        self.manager.complete_store(keys, req_context, success=success)  # as vLLM calls it
         if success:
             self._scheduler.triton_guard.release(keys)
 
