@@ -90,7 +90,6 @@ def _gpt_oss() -> Any:
         num_experts_per_tok=2,
         sliding_window=SLIDING_WINDOW,
         layer_types=["sliding_attention", "full_attention"],
-        max_position_embeddings=2048,
         initializer_range=INIT_RANGE,
         tie_word_embeddings=False,
     )
@@ -107,10 +106,11 @@ def _qwen3_next() -> Any:
         num_attention_heads=HIDDEN // HEAD_DIM,
         num_key_value_heads=1,
         head_dim=HEAD_DIM,
-        linear_num_key_heads=2,
-        linear_num_value_heads=2,
-        linear_key_head_dim=HEAD_DIM,
-        linear_value_head_dim=HEAD_DIM,
+        # The CPU kernel of the gated delta rule takes head size 128 only.
+        linear_num_key_heads=1,
+        linear_num_value_heads=1,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
         linear_conv_kernel_dim=4,
         num_experts=4,
         num_experts_per_tok=2,
@@ -130,7 +130,7 @@ MODELS = {
     "llama": TinyModel("llama", "float32", "full attention", _llama),
     "mistral-swa": TinyModel("mistral-swa", "float32", "sliding window", _mistral_swa),
     "gpt-oss": TinyModel("gpt-oss", "bfloat16", "sliding window + full", _gpt_oss),
-    "qwen3-next": TinyModel("qwen3-next", "float32", "GDN (Mamba align) + full", _qwen3_next),
+    "qwen3-next": TinyModel("qwen3-next", "bfloat16", "GDN (Mamba align) + full", _qwen3_next),
 }
 
 
@@ -147,7 +147,7 @@ def write_model(name: str, root: str, seed: int = 0) -> str:
         return folder
     config = spec.build()
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=getattr(torch, spec.dtype))
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, spec.dtype))
     model.save_pretrained(folder, safe_serialization=True)
     with open(os.path.join(folder, "generation_config.json"), "w") as f:
         json.dump({"do_sample": False}, f)

@@ -29,7 +29,6 @@ import sys
 import traceback
 from typing import Any
 
-SHM_GLOB = "/dev/shm/vllm_offload_*"
 #: Counters read from ``LLM.get_metrics()`` (vLLM's names; vLLM 0.33 and later).
 COUNTERS = (
     "vllm:external_prefix_cache_queries",
@@ -58,9 +57,7 @@ def generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> list[dict[s
     params = SamplingParams(
         temperature=0.0, max_tokens=max_tokens, logprobs=1, detokenize=False, ignore_eos=True
     )
-    outputs = llm.generate(
-        [{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False
-    )
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
     results = []
     for output in outputs:
         completion = output.outputs[0]
@@ -77,6 +74,25 @@ def generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> list[dict[s
             }
         )
     return results
+
+
+def region_files() -> list[str]:
+    """This process's mappings of host regions, as files it can open (vLLM unlinks a
+    region's ``/dev/shm`` name once every worker mapped it: ``/proc/self/map_files``
+    still opens the file behind a mapping)."""
+    found: dict[str, str] = {}
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            names = [field for field in fields[5:] if "vllm_offload_" in field]
+            if names and names[0] not in found:
+                found[names[0]] = f"/proc/self/map_files/{fields[0]}"
+    return [found[name] for name in sorted(found)]
+
+
+def mapped_regions() -> list[str]:
+    with open("/proc/self/maps") as f:
+        return sorted({line.split()[5] for line in f if "vllm_offload_" in line})
 
 
 def corrupt_region(files: list[str]) -> int:
@@ -105,8 +121,9 @@ def corrupt_region(files: list[str]) -> int:
                     if isinstance(seal, Seal) and seal.payload_bytes > 0:
                         start = (position - seal.payload_bytes) // mmap.PAGESIZE * mmap.PAGESIZE
                         while start >= 0:
-                            page = data[start : start + seal.payload_bytes]
-                            if zlib.crc32(page) == seal.payload_crc:
+                            if zlib.crc32(data[start : start + seal.payload_bytes]) == (
+                                seal.payload_crc
+                            ):
                                 data[start] ^= 0xFF
                                 flipped += 1
                                 break
@@ -138,11 +155,6 @@ def fail_copies() -> None:
     copiers.HostCopier.prepare = prepare
 
 
-def mapped_regions() -> list[str]:
-    with open("/proc/self/maps") as f:
-        return sorted({line.split()[-1] for line in f if "vllm_offload_" in line})
-
-
 def shutdown(llm: Any) -> None:
     if hasattr(llm, "shutdown"):
         llm.shutdown()
@@ -150,21 +162,36 @@ def shutdown(llm: Any) -> None:
         llm.llm_engine.engine_core.shutdown()
 
 
+def prompt(entry: Any, block_size: int) -> list[int]:
+    """A prompt: token ids, or ``{"blocks": n, "plus": k, "seed": s}`` (``n`` blocks of
+    the engine's block size and ``k`` tokens)."""
+    if isinstance(entry, list):
+        return entry
+    from engine_models import prompt_ids
+
+    return prompt_ids(entry["blocks"] * block_size + entry.get("plus", 0), entry["seed"])
+
+
 def main(spec_path: str) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
     report: dict[str, Any] = {"steps": {}, "error": None}
-    before = set(glob.glob(SHM_GLOB))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     try:
         from vllm import LLM
 
         llm = LLM(**spec["engine"])
-        report["block_size"] = llm.llm_engine.vllm_config.cache_config.block_size
-        files = sorted(set(glob.glob(SHM_GLOB)) - before)
-        report["region_files"] = files
+        block_size = int(llm.llm_engine.vllm_config.cache_config.block_size)
+        report["block_size"] = block_size
+        report["mapped_at_start"] = mapped_regions()
+        # This engine's files in /dev/shm (other engines may run beside it).
+        engine_id = llm.llm_engine.vllm_config.kv_transfer_config.engine_id
+        leftovers = f"/dev/shm/*{engine_id}*"
+        report["files_at_start"] = sorted(glob.glob(leftovers))
         for step in spec["steps"]:
             if "generate" in step:
-                outputs = generate(llm, step["prompts"], spec.get("max_tokens", 8))
+                prompts = [prompt(p, block_size) for p in step["prompts"]]
+                outputs = generate(llm, prompts, spec.get("max_tokens", 8))
                 report["steps"][step["generate"]] = {
                     "outputs": outputs,
                     "metrics": counters(llm),
@@ -172,7 +199,7 @@ def main(spec_path: str) -> None:
             elif "reset" in step:
                 report["reset"] = bool(llm.reset_prefix_cache())
             elif "corrupt" in step:
-                report["corrupted"] = corrupt_region(files)
+                report["corrupted"] = corrupt_region(region_files())
             elif "fail_copies" in step:
                 fail_copies()
             elif "shutdown" in step:
@@ -182,7 +209,7 @@ def main(spec_path: str) -> None:
 
                 gc.collect()
                 report["after_shutdown"] = {
-                    "files": sorted(set(glob.glob(SHM_GLOB)) - before),
+                    "files": sorted(glob.glob(leftovers)),
                     "mapped": mapped_regions(),
                 }
     except BaseException:
