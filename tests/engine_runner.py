@@ -10,9 +10,10 @@ to ``spec["out"]``:
   in one batch; records tokens, each token's logprob and finish reason, and the
   engine's counters after the step (``metrics``);
 - ``{"reset": true}``: ``reset_prefix_cache()`` (the device prefix cache only);
-- ``{"corrupt": true}``: flips one payload byte of every sealed page in this engine's
-  host region file (``/dev/shm/vllm_offload_*``), from this process, as damaged host
-  memory would; the pages are found by their seals (triton_offload's seal format);
+- ``{"corrupt": true}``: damages the first payload bytes of every sealed page of this
+  engine's host region (vLLM's ``/dev/shm/vllm_offload_*`` file, opened through this
+  process's mapping since vLLM unlinks the name), as damaged host memory would; the
+  pages are found by their seals (triton_offload's seal format);
 - ``{"fail_copies": true}``: from now on every copy from the host pool into the cache
   raises inside the copier (needs ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the workers run
   in this process);
@@ -96,7 +97,8 @@ def mapped_regions() -> list[str]:
 
 
 def corrupt_region(files: list[str]) -> int:
-    """Flip the first payload byte of every sealed page in ``files``; returns how many.
+    """Damage the first 16 payload bytes of every sealed page in ``files``; returns how
+    many pages.
 
     A page starts on an OS page boundary (vLLM's rows are rounded up to it, and worker
     0's page starts its row); the page of a seal is the boundary below it whose first
@@ -124,7 +126,9 @@ def corrupt_region(files: list[str]) -> int:
                             if zlib.crc32(data[start : start + seal.payload_bytes]) == (
                                 seal.payload_crc
                             ):
-                                data[start] ^= 0xFF
+                                # 16 bytes: whole values of any dtype (exponents too)
+                                for offset in range(min(16, seal.payload_bytes)):
+                                    data[start + offset] ^= 0x5A
                                 flipped += 1
                                 break
                             start -= mmap.PAGESIZE

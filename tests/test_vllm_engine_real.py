@@ -241,13 +241,23 @@ def _outputs(report: dict[str, Any], step: str) -> list[dict[str, Any]]:
     return report["steps"][step]["outputs"]
 
 
-def _assert_same(report: dict[str, Any], step: str, reference: str = "cold") -> None:
+def _assert_same(
+    report: dict[str, Any], step: str, reference: str = "cold", *, same_process: bool = True
+) -> None:
+    """``step``'s outputs are ``reference``'s: the same tokens, and the same logprobs,
+    bit for bit within one engine; between two engine processes up to float32 rounding
+    (two processes of the same engine, both cold, were seen to differ by 7e-7 in one
+    logprob: the CPU kernels' reductions are not bitwise reproducible across processes)."""
     for index, (cold, hit) in enumerate(
         zip(_outputs(report, reference), _outputs(report, step), strict=True)
     ):
-        assert hit["tokens"] == cold["tokens"], f"{report['name']} prompt {index}: {step}"
-        assert None not in hit["logprobs"], f"{report['name']} prompt {index}: no logprobs"
-        assert hit["logprobs"] == cold["logprobs"], f"{report['name']} prompt {index}: {step}"
+        where = f"{report['name']} prompt {index}: {step} vs {reference}"
+        assert hit["tokens"] == cold["tokens"], where
+        assert None not in hit["logprobs"], f"{where}: no logprobs"
+        if same_process:
+            assert hit["logprobs"] == cold["logprobs"], where
+        else:
+            assert hit["logprobs"] == pytest.approx(cold["logprobs"], abs=1e-5), where
 
 
 def _assert_served_from_host(report: dict[str, Any], step: str, before: str | None) -> None:
@@ -358,7 +368,7 @@ def test_fs_tier_serves_a_restarted_engine(engines: Engines, tmp_path: Any) -> N
     assert second["error"] is None, second["error"]
     _assert_served_from_host(second, "hit", None)
     first["steps"]["hit"] = second["steps"]["hit"]
-    _assert_same(first, "hit")
+    _assert_same(first, "hit", same_process=False)
     for report in (first, second):
         assert KEEPING not in report["log"], f"{report['name']}: the region stayed mapped"
         assert report["after_shutdown"]["mapped"] == []
