@@ -314,10 +314,10 @@ def test_failed_loads_recompute(engines: Engines) -> None:
     copy that raises, are recomputed: the same tokens and logprobs as the cold round."""
     report = engines.get("llama-recompute")
     assert report["corrupted"] > 0
-    assert "refused before loading" in report["log"]
     _assert_same(report, "corrupt")
-    assert "test: the copy from the host pool failed" in report["log"]
     _assert_same(report, "copy")
+    assert "refused before loading" in report["log"]
+    assert "test: the copy from the host pool failed" in report["log"]
     for step in ("corrupt", "copy"):
         assert _delta(report, step, None, "external_prefix_cache_queries") > 0
 
