@@ -181,6 +181,7 @@ def main(spec_path: str) -> None:
         spec = json.load(f)
     report: dict[str, Any] = {"steps": {}, "error": None}
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    llm = None
     try:
         from vllm import LLM
 
@@ -208,7 +209,7 @@ def main(spec_path: str) -> None:
                 fail_copies()
             elif "shutdown" in step:
                 shutdown(llm)
-                del llm
+                llm = None
                 import gc
 
                 gc.collect()
@@ -218,6 +219,12 @@ def main(spec_path: str) -> None:
                 }
     except BaseException:
         report["error"] = traceback.format_exc()
+        if llm is not None:
+            # Best effort: an engine that failed must not leave its region behind.
+            try:
+                shutdown(llm)
+            except BaseException:
+                report["error"] += "\nshutdown after the failure:\n" + traceback.format_exc()
     with open(spec["out"], "w") as f:
         json.dump(report, f)
     sys.stdout.flush()

@@ -131,17 +131,18 @@ def _failure_steps(policy: str) -> list[dict[str, Any]]:
             {"generate": "copy", "prompts": [LONG, SHORT]},
             {"shutdown": True},
         ]
+    # Each failing request shares its batch with a new prompt (nothing to load).
     other = prompt_ids(300, seed=5)
     return [
         {"generate": "cold", "prompts": [LONG]},
         {"reset": True},
         {"corrupt": True},
-        {"generate": "corrupt", "prompts": [LONG]},
+        {"generate": "corrupt", "prompts": [LONG, prompt_ids(150, seed=7)]},
         {"generate": "after_corrupt", "prompts": [SHORT]},
         {"generate": "cold_other", "prompts": [other]},
         {"reset": True},
         {"fail_copies": True},
-        {"generate": "copy", "prompts": [other]},
+        {"generate": "copy", "prompts": [other, prompt_ids(150, seed=8)]},
         {"generate": "after_copy", "prompts": [prompt_ids(250, seed=6)]},
         {"shutdown": True},
     ]
@@ -344,14 +345,17 @@ def test_failed_loads_recompute(engines: Engines) -> None:
 @pytest.mark.slow
 def test_failed_loads_fail_the_request_only(engines: Engines) -> None:
     """``kv_load_failure_policy="fail"``: the request whose load failed (a corrupted
-    chunk; a copy that raised) finishes with an error; the engine serves the next one."""
+    chunk; a copy that raised) finishes with an error; the request in the same batch
+    and the next one are served."""
     report = engines.get("llama-fail")
     assert report["corrupted"] > 0
     cold = _outputs(report, "cold")[0]
     assert cold["finish_reason"] == "length"
     for step in ("corrupt", "copy"):
-        (failed,) = _outputs(report, step)
+        failed, beside = _outputs(report, step)
         assert failed["finish_reason"] == "error", step
+        assert beside["finish_reason"] == "length", step
+        assert len(beside["tokens"]) == 8
     assert "refused before loading" in report["log"]
     assert "test: the copy from the host pool failed" in report["log"]
     for step in ("after_corrupt", "after_copy"):
