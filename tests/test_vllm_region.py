@@ -221,6 +221,21 @@ def test_worker_logs_the_region_and_shutdown_releases_it(
     assert worker.submit_store(1, job, CPULoadStoreSpec([0])) is False
 
 
+@pytest.mark.parametrize("spec_name", ["TritonOffloadingSpec", "TritonTieringOffloadingSpec"])
+def test_shutdown_unmaps_the_region_when_chunks_are_sealed(spec_name: str) -> None:
+    """With ``verify_chunks`` on (the default), the page sealer's view of the region must
+    not outlive the worker: vLLM keeps a region mapped ("Keeping ... mapped: buffers are
+    still exported") while any view of it exists."""
+    config = make_config(spec_name=spec_name.replace("Triton", ""), extra={"verify_chunks": True})
+    spec = getattr(tv, spec_name)(config)
+    worker = spec.get_worker(Caches().canonical)
+    region = worker.region
+    assert worker.sealer is not None
+    worker.shutdown()
+    assert region.mmap_obj is None and region.fd is None  # unmapped, not kept
+    assert not os.path.exists(region.mmap_path)
+
+
 def test_a_row_that_does_not_fit_the_workers_page_is_refused() -> None:
     # Three 100-byte planes, 2 blocks per chunk: 200 bytes per plane, but each plane
     # starts on 16 bytes (208 + 208 + 200, rounded to 624) in the worker's 600.

@@ -222,6 +222,11 @@ class PageSealer:
         self.format = fmt
         self.group_payload = tuple(int(p) for p in group_payload)
 
+    def close(self) -> None:
+        """Drop the view of the pool: the pool's owner cannot unmap memory a view still
+        exports (vLLM's region then stays mapped: "Keeping ... mapped")."""
+        self.pages = np.empty((0, self.pages.shape[1]), np.uint8)
+
     def seal(self, chunk: int, group: int, key: bytes) -> None:
         write_seal(self.pages[chunk], self.group_payload[group], self.format, key)
 

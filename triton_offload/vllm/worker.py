@@ -469,6 +469,8 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
             if self.ledger is not None:
                 self.ledger.close()
                 self.ledger = None
+            if self.sealer is not None:
+                self.sealer.close()  # its view of the region would keep it mapped
             if self.region is not None:
                 release_region(self.region, self._cuda_api)
                 self.region = None
