@@ -410,12 +410,6 @@ def test_fs_tier_serves_a_restarted_engine(
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=False,
-    reason="vLLM's TieringOffloadingManager (scheduler side) keeps the region mapped at "
-    "shutdown: this project's ChunkGuard.region_rows (triton_offload/vllm/integrity.py) "
-    "is a numpy view of the primary tier's memoryview that outlives it",
-)
 def test_tiering_shutdown_leaves_no_region_mapped(
     tier_runs: tuple[dict[str, Any], dict[str, Any], str],
 ) -> None:

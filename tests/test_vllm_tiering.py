@@ -297,3 +297,27 @@ def test_kvcr_tier_is_refused_and_out_of_tree_tiers_warned(
         spec = OffloadingSpecFactory.create_spec(make_config(tmp_path, tiers=tiers))
     assert "['secondary_tiers'][0]['type'] 'mine' is an out-of-tree tier" in caplog.text
     assert spec.storage_layout in spec.config.model.dtype
+
+
+def test_manager_shutdown_releases_the_region(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The scheduler's chunk guard reads the primary tier's region to check promotions;
+    it must not keep a view of it: vLLM's shutdown then cannot release the memoryview
+    and logs that the region stays mapped."""
+    config = make_config(tmp_path)
+    # Sealed rows need a page of room for the seal: twice the chunks' bytes.
+    extra = {
+        **config.extra_config,
+        "verify_chunks": True,
+        "cpu_bytes_to_use": 2 * NUM_CHUNKS * PAGE,
+    }
+    spec = OffloadingSpecFactory.create_spec(dataclasses.replace(config, extra_config=extra))
+    manager = spec.get_manager()
+    guard = manager.triton_guard
+    assert guard.promotion_problem(0, b"x" * 8) is not None  # reads the region (no seal)
+    path = manager.primary_tier._mmap_region.mmap_path
+    with caplog.at_level(logging.WARNING):
+        manager.shutdown()
+    assert not [r for r in caplog.records if "mapped" in r.getMessage()]
+    assert not os.path.exists(path)

@@ -154,20 +154,25 @@ class ChunkGuard:
     """The scheduler's side of verification: quarantined keys, dropped chunks, and the
     check of chunks promoted from secondary tiers.
 
-    ``region_rows``: the host region as uint8 ``[num_chunks, row_stride]`` (None: no
-    promotion check, e.g. vLLM's CPU spec without tiers); ``page_bytes`` and
-    ``page_count``: the pages of a row; ``digest``: the configuration digest.
+    ``region``: the scheduler's memoryview of the host region, ``num_chunks`` rows of
+    ``row_stride`` bytes (None: no promotion check, e.g. vLLM's CPU spec without tiers);
+    ``page_bytes`` and ``page_count``: the pages of a row; ``digest``: the configuration
+    digest.
     """
 
     def __init__(
         self,
         *,
-        region_rows: np.ndarray | None = None,
+        region: memoryview | None = None,
+        num_chunks: int = 0,
+        row_stride: int = 0,
         page_bytes: int = 0,
         page_count: int = 0,
         digest: bytes | None = None,
     ) -> None:
-        self.region_rows = region_rows
+        self._region = region
+        self._num_chunks = num_chunks
+        self._row_stride = row_stride
         self.page_bytes = page_bytes
         self.page_count = page_count
         self.digest = digest
@@ -194,6 +199,15 @@ class ChunkGuard:
             where,
             problem,
         )
+
+    @property
+    def region_rows(self) -> np.ndarray | None:
+        """uint8 ``[num_chunks, row_stride]`` over the region, made on each use: a view
+        kept here would hold an export of vLLM's memoryview, and vLLM's shutdown would
+        then leave the region mapped ("buffers are still exported")."""
+        if self._region is None:
+            return None
+        return region_rows(self._region, self._num_chunks, self._row_stride)
 
     # ---------------------------------------------------------------- quarantine
 
@@ -227,9 +241,10 @@ class ChunkGuard:
 
     def promotion_problem(self, chunk: int, key: bytes) -> str | None:
         """Why host chunk ``chunk`` (just written by a secondary tier) is not ``key``'s."""
-        if self.region_rows is None or self.digest is None:
+        rows = self.region_rows
+        if rows is None or self.digest is None:
             return None
-        row = self.region_rows[chunk]
+        row = rows[chunk]
         for page_index in range(self.page_count):
             start = page_index * self.page_bytes
             fmt = SealFormat(self.digest, bytes(8), page_index, self.page_count)

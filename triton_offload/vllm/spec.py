@@ -93,7 +93,6 @@ from triton_offload.vllm.integrity import (
     config_digest,
     give_keys_to_specs,
     host_manager,
-    region_rows,
 )
 from triton_offload.vllm.internals import check_vllm_internals
 from triton_offload.vllm.options import EngineOptions, validate_cpu_bytes
@@ -274,7 +273,9 @@ class TritonWorkerSide:
         if primary is not None and hasattr(primary, "get_kv_memoryview"):
             memory = primary.get_kv_memoryview()
         guard = ChunkGuard(
-            region_rows=region_rows(memory, int(self.num_chunks), int(self.kv_bytes_per_chunk)),
+            region=memory,
+            num_chunks=int(self.num_chunks),
+            row_stride=int(self.kv_bytes_per_chunk),
             page_bytes=int(self.cpu_page_size_per_worker),
             page_count=1 if self.replicated_layout else int(self.config.parallel.world_size),
             digest=self.seal_config_digest() if self.sealed_pages else None,
