@@ -40,20 +40,31 @@ class TinyModel:
     build: Callable[[], Any]
 
 
+def _attention(intermediate_size: int = 128, max_positions: int | None = 2048) -> dict[str, Any]:
+    """What every tiny model shares: vocabulary, width, two layers of 32-dim heads, one KV
+    head, and weights large enough that greedy decoding picks clear winners
+    (``max_positions`` None: the model's own default, which gpt-oss's YaRN rope expects)."""
+    shared = {
+        "vocab_size": VOCAB,
+        "hidden_size": HIDDEN,
+        "intermediate_size": intermediate_size,
+        "num_hidden_layers": 2,
+        "num_attention_heads": HIDDEN // HEAD_DIM,
+        "num_key_value_heads": 1,
+        "head_dim": HEAD_DIM,
+        "initializer_range": INIT_RANGE,
+        "tie_word_embeddings": False,
+    }
+    if max_positions is not None:
+        shared["max_position_embeddings"] = max_positions
+    return shared
+
+
 def _llama() -> Any:
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=HIDDEN // HEAD_DIM,
-        num_key_value_heads=1,
-        head_dim=HEAD_DIM,
-        max_position_embeddings=2048,
-        initializer_range=INIT_RANGE,
-        tie_word_embeddings=False,
+        **_attention(),
     )
 
 
@@ -61,17 +72,8 @@ def _mistral_swa() -> Any:
     from transformers import MistralConfig
 
     return MistralConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=HIDDEN // HEAD_DIM,
-        num_key_value_heads=1,
-        head_dim=HEAD_DIM,
-        max_position_embeddings=2048,
+        **_attention(),
         sliding_window=SLIDING_WINDOW,
-        initializer_range=INIT_RANGE,
-        tie_word_embeddings=False,
     )
 
 
@@ -79,19 +81,11 @@ def _gpt_oss() -> Any:
     from transformers import GptOssConfig
 
     return GptOssConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=HIDDEN // HEAD_DIM,
-        num_key_value_heads=1,
-        head_dim=HEAD_DIM,
+        **_attention(64, max_positions=None),
         num_local_experts=4,
         num_experts_per_tok=2,
         sliding_window=SLIDING_WINDOW,
         layer_types=["sliding_attention", "full_attention"],
-        initializer_range=INIT_RANGE,
-        tie_word_embeddings=False,
     )
 
 
@@ -99,13 +93,7 @@ def _qwen3_next() -> Any:
     from transformers import Qwen3NextConfig
 
     return Qwen3NextConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=HIDDEN // HEAD_DIM,
-        num_key_value_heads=1,
-        head_dim=HEAD_DIM,
+        **_attention(),
         # The CPU kernel of the gated delta rule takes head size 128 only.
         linear_num_key_heads=1,
         linear_num_value_heads=1,
@@ -120,9 +108,6 @@ def _qwen3_next() -> Any:
         mlp_only_layers=[],
         # Layer 0 gated delta net (linear attention), layer 1 full attention.
         layer_types=["linear_attention", "full_attention"],
-        max_position_embeddings=2048,
-        initializer_range=INIT_RANGE,
-        tie_word_embeddings=False,
     )
 
 
