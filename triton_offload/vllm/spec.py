@@ -129,8 +129,7 @@ with supported_vllm_api():
     from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
     from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-    # vLLM 0.34's tiering spec refuses secondary tiers on workers spanning nodes (the
-    # tiers run in the engine core and read only its node's region).
+    # vLLM 0.34 only (see TritonWorkerSide._check_tiers_on_one_node).
     reject_workers_across_nodes: Any = None
     if vllm_release() >= VLLM_0_34:
         from vllm.v1.kv_offload.tiering.spec import (
@@ -338,14 +337,20 @@ class TritonWorkerSide:
             ),
         )
 
-    def create_worker(self, kv_caches: Any) -> TritonOffloadingWorker:
+    def _check_tiers_on_one_node(self) -> None:
+        """vLLM 0.34's tiering spec refuses secondary tiers on workers spanning nodes (the
+        tiers run in the engine core and read only its node's region): so does this one,
+        before any mapping (a collective over the TP, PP and PCP groups)."""
         if (
             reject_workers_across_nodes is not None
             and self._tiering_region
             and self.extra_config.get("secondary_tiers")
             and int(self.config.parallel.world_size) > 1
         ):
-            reject_workers_across_nodes()  # as vLLM 0.34's tiering spec, before any mapping
+            reject_workers_across_nodes()
+
+    def create_worker(self, kv_caches: Any) -> TritonOffloadingWorker:
+        self._check_tiers_on_one_node()
         if not isinstance(kv_caches, CanonicalKVCaches):
             raise TypeError(
                 f"get_worker needs vLLM's CanonicalKVCaches, got {type(kv_caches).__name__}"
