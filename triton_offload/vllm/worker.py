@@ -81,7 +81,7 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
     0.34, which skips vLLM's pointer resolution) or vLLM 0.34's ``DevicePointers`` (what
     vLLM's own connector worker passes): the block ids behind the pointers are derived
     and every pointer checked against ``device_planes`` (see
-    :func:`~triton_offload.vllm.convert.blocks_from_pointers`). They check the spec
+    :func:`~triton_offload.transfer.pointers.blocks_from_pointers`). They check the spec
     types (TypeError) and the block counts (ValueError) before any byte moves;
     ``get_finished`` returns each job once as vLLM's ``TransferResult``; ``wait``
     blocks on jobs still in flight (ids already reported are ignored, as vLLM's
@@ -138,7 +138,7 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
         #: Seals this worker's pages (None: verification off, or nothing to seal).
         self.sealer = sealer
         self._planes_note = planes_note  # this worker's published planes (tiering spec)
-        #: Per group and ref, where vLLM 0.34's DevicePointers point (see convert).
+        #: Per group and ref, where vLLM 0.34's DevicePointers point (transfer.pointers).
         self.device_planes = device_planes
         self._to_seal: dict[Any, list[tuple[int, int, Any]]] = {}  # store job -> chunks
         # Load job -> (its JobSpec, the failed chunks found before the copy).
