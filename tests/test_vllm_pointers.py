@@ -121,6 +121,20 @@ def test_a_wrong_size_or_count_is_refused() -> None:
         blocks_from_pointers(
             SimpleNamespace(**{**vars(good), "ptrs": good.ptrs.astype(np.int64)}), planes, "j"
         )
+    empty = (planes[0], device_planes(SimpleNamespace(tensors=[], group_data_refs=[[]]))[0])
+    with pytest.raises(ValueError, match=r"group 1 has 1 blocks but no cache on this worker"):
+        blocks_from_pointers(
+            SimpleNamespace(
+                **{
+                    **vars(good),
+                    "ptrs": good.ptrs[:4],
+                    "sizes": good.sizes[:4],
+                    "group_data_ref_counts": (2, 0),
+                }
+            ),
+            empty,
+            "j",
+        )
     with pytest.raises(TypeError, match=r"DevicePointers or GPULoadStoreSpec, got list"):
         blocks_from_pointers([1, 2], planes, "j")
 

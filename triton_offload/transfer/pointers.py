@@ -16,35 +16,42 @@ import numpy as np
 
 
 @dataclass(frozen=True)
-class DevicePlane:
-    """Where vLLM 0.34's pointer resolution puts one ref's pages: block ``b`` of the ref
-    starts at ``base + b * stride`` (bytes) and is ``page_bytes`` long."""
+class GroupPlanes:
+    """Where vLLM 0.34's pointer resolution puts one group's pages, one row per
+    ``CanonicalKVCacheRef`` (int64 columns of shape ``(refs, 1)``, built once per worker so
+    a job's check is pure array arithmetic): block ``b`` of ref ``r`` starts at
+    ``bases[r] + b * strides[r]`` (bytes), is ``page_bytes[r]`` long, and ``b`` is below
+    ``num_blocks[r]``."""
 
-    base: int
-    stride: int
-    page_bytes: int
-    num_blocks: int
+    bases: np.ndarray
+    strides: np.ndarray
+    page_bytes: np.ndarray
+    num_blocks: np.ndarray
+
+    @property
+    def refs(self) -> int:
+        return int(self.bases.shape[0])
 
 
-def device_planes(kv_caches: Any) -> tuple[tuple[DevicePlane, ...], ...]:
-    """Per group, per ``CanonicalKVCacheRef``: the addresses vLLM 0.34's
-    ``resolve_device_pointers`` computes its pointers from (the ref's tensor's address,
-    its block stride, the ref's unpadded page). Built once per worker."""
+def device_planes(kv_caches: Any) -> tuple[GroupPlanes, ...]:
+    """Per group: the addresses vLLM 0.34's ``resolve_device_pointers`` computes its
+    pointers from (each ref's tensor address, its block stride in bytes, the ref's
+    unpadded page, the tensor's block count). Built once per worker."""
     tensors = list(kv_caches.tensors)
     groups = []
     for refs in kv_caches.group_data_refs:
-        planes = []
+        columns: list[list[int]] = [[], [], [], []]
         for ref in refs:
             tensor = tensors[int(ref.tensor_idx)].tensor
-            planes.append(
-                DevicePlane(
-                    base=int(tensor.data_ptr()),
-                    stride=int(tensor.stride(0)) * tensor.element_size(),
-                    page_bytes=int(ref.page_size_bytes),
-                    num_blocks=int(tensor.size(0)),
-                )
+            row = (
+                int(tensor.data_ptr()),
+                int(tensor.stride(0)) * tensor.element_size(),
+                int(ref.page_size_bytes),
+                int(tensor.size(0)),
             )
-        groups.append(tuple(planes))
+            for column, value in zip(columns, row, strict=True):
+                column.append(value)
+        groups.append(GroupPlanes(*(np.array(c, dtype=np.int64)[:, None] for c in columns)))
     return tuple(groups)
 
 
@@ -58,9 +65,7 @@ class GPUBlocks:
     block_indices: tuple[int, ...]
 
 
-def blocks_from_pointers(
-    device_ptrs: Any, planes: tuple[tuple[DevicePlane, ...], ...], what: str
-) -> GPUBlocks:
+def blocks_from_pointers(device_ptrs: Any, planes: tuple[GroupPlanes, ...], what: str) -> GPUBlocks:
     """The GPU block ids behind vLLM 0.34's ``DevicePointers``, every pointer checked.
 
     vLLM orders ``ptrs`` by group, then ref, then block. Group ``g``'s ids come from its
@@ -105,22 +110,26 @@ def blocks_from_pointers(
     ):
         if count == 0:
             continue  # vLLM's resolution writes no pointer for an empty group
-        if refs != len(group_planes):
+        if refs != group_planes.refs:
             raise ValueError(
                 f"{what}: group {group} has {refs} refs in DevicePointers but "
-                f"{len(group_planes)} in the offloaded caches"
+                f"{group_planes.refs} in the offloaded caches"
+            )
+        if refs == 0:
+            # A group with no layer on this worker (a pipeline stage): vLLM's pointers
+            # carry no trace of its block ids, which the job's checks need.
+            raise ValueError(
+                f"{what}: group {group} has {count} blocks but no cache on this worker, so "
+                "DevicePointers cannot name them; TritonOffloadingConnector passes block ids"
             )
         span = slice(offset, offset + count * refs)
         # Addresses are below 2**63 on every platform vLLM runs on.
         grid = ptrs[span].astype(np.int64).reshape(refs, count)
         pages = sizes[span].astype(np.int64).reshape(refs, count)
         offset += count * refs
-        first = group_planes[0]
-        ids = (grid[0] - first.base) // first.stride
-        bases = np.array([p.base for p in group_planes], dtype=np.int64)[:, None]
-        strides = np.array([p.stride for p in group_planes], dtype=np.int64)[:, None]
-        page_bytes = np.array([p.page_bytes for p in group_planes], dtype=np.int64)[:, None]
-        limits = np.array([p.num_blocks for p in group_planes], dtype=np.int64)[:, None]
+        bases, strides = group_planes.bases, group_planes.strides
+        page_bytes, limits = group_planes.page_bytes, group_planes.num_blocks
+        ids = (grid[0] - bases[0, 0]) // strides[0, 0]
         bad = (grid != bases + ids * strides) | (ids < 0) | (ids >= limits)
         if bad.any():
             ref, position = (int(v) for v in np.argwhere(bad)[0])
@@ -141,4 +150,4 @@ def blocks_from_pointers(
     return GPUBlocks(block_ids, tuple(counts), tuple(indices))
 
 
-__all__ = ["DevicePlane", "GPUBlocks", "blocks_from_pointers", "device_planes"]
+__all__ = ["GPUBlocks", "GroupPlanes", "blocks_from_pointers", "device_planes"]

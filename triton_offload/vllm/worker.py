@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from triton_offload.transfer.jobs import TO_POOL, JobSpec
-from triton_offload.transfer.pointers import DevicePlane, blocks_from_pointers
+from triton_offload.transfer.pointers import GroupPlanes, blocks_from_pointers
 from triton_offload.transfer.seal import PageSealer, key_digest
 from triton_offload.vllm.compat import VLLM_0_34, logger, supported_vllm_api, vllm_release
 from triton_offload.vllm.convert import split_job
@@ -115,7 +115,7 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
         replicated_store_timeout_s: float = 60.0,
         sealer: PageSealer | None = None,
         planes_note: str | None = None,
-        device_planes: tuple[tuple[DevicePlane, ...], ...] = (),
+        device_planes: tuple[GroupPlanes, ...] = (),
     ) -> None:
         self.engine = engine
         self.num_groups = num_groups
