@@ -583,6 +583,8 @@ def test_store_lookup_load_through_vllm_connector_bytes_exact(
     for index, ids in enumerate(source_ids):
         name = f"layer.{index}"
         assert torch.equal(serving.tensors[name][ids], sources[name][ids])
+    # Every finished load left the connector worker's books (no per-job state kept).
+    assert serving.worker_side.connector.connector_worker.worker.load_blocks == {}
 
 
 def test_lazy_presence_asks_the_manager_only_for_what_the_scan_reads() -> None:

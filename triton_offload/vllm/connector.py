@@ -383,8 +383,8 @@ class _FailSoftWorker:
     """The offloading worker as vLLM's connector worker calls it: a submit that raises
     or is refused becomes a failed job reported by ``get_finished`` (vLLM asserts every
     submit), each load's GPU blocks are kept to name what did not load, and each failed
-    load's result passes through ``on_failed_load`` (the connector worker's, which may
-    report it by block ids and hand vLLM another result)."""
+    load's result passes through ``on_failed_load(result, its GPU blocks)`` (the connector
+    worker's, which may report it by block ids and hand vLLM another result)."""
 
     def __init__(self, worker: Any, on_failed_load: Any) -> None:
         self.worker = worker
@@ -427,7 +427,12 @@ class _FailSoftWorker:
 
     def get_finished(self) -> list[Any]:
         results, self._refused = self._refused + list(self.worker.get_finished()), []
-        return [result if result.success else self._on_failed_load(result) for result in results]
+        reports = []
+        for result in results:
+            # Every finished job leaves the books here, successful or not.
+            blocks = self.load_blocks.pop(result.job_id, ())
+            reports.append(result if result.success else self._on_failed_load(result, blocks))
+        return reports
 
     def wait(self, job_ids: Any) -> None:
         refused = {result.job_id for result in self._refused}
@@ -517,7 +522,7 @@ class TritonOffloadingConnectorWorker(OffloadingConnectorWorker):  # type: ignor
 
     # ------------------------------------------------------------------ finish
 
-    def _triton_failed_load(self, result: Any) -> Any:
+    def _triton_failed_load(self, result: Any, blocks: Any) -> Any:
         """A failed job's result on its way to vLLM: a load's bad keys go to the
         scheduler, its GPU blocks are reported by id where that is the route (see the
         class); the result vLLM's books should see is returned."""
@@ -525,7 +530,6 @@ class TritonOffloadingConnectorWorker(OffloadingConnectorWorker):  # type: ignor
         if job_id not in self._load_jobs:
             return result  # a store: vLLM (0.34) or get_finished below (0.33) reports it
         req_id = self._load_jobs[job_id]
-        blocks = self.worker.load_blocks.pop(job_id, ())
         failed = getattr(result, "failed_blocks", ()) or blocks
         self._connector_worker_meta.bad_keys.update(getattr(result, "bad_keys", ()))
         logger.warning(
@@ -576,7 +580,6 @@ class TritonOffloadingConnectorWorker(OffloadingConnectorWorker):  # type: ignor
                 stats.record(result.transfer_size, result.transfer_time or 0.0)
             meta.mark_completed(job_id, success=bool(result.success))
             req_id = self._load_jobs.pop(job_id, None)
-            self.worker.load_blocks.pop(job_id, None)
             if req_id is not None:
                 finished_recving.add(req_id)
         return set(), finished_recving
