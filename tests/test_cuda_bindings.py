@@ -260,3 +260,41 @@ def test_engine_sized_pool_pieces_hold_whole_rows() -> None:
         pieces = piece_ranges(300, row_bytes, 64 << 10, page=4096)
         assert all(offset % row_bytes == 0 and offset % 4096 == 0 for offset, _ in pieces)
         assert max(length for _, length in pieces) <= max(64 << 10, 256 * row_bytes)
+
+
+class RangeLockingApi(StandInApi):
+    """A stand-in whose ``device_pointer`` answers only inside registered ranges, as
+    ``cudaHostGetDevicePointer`` does (pageable memory has no device address)."""
+
+    def device_pointer(self, address: int) -> int:
+        for start, size in self.registered.items():
+            if start <= address < start + size:
+                return address + self.shift
+        raise RuntimeError(f"no device address for host memory at {address:#x} (stand-in)")
+
+
+def test_wrapped_pool_page_locked_outside_torch_is_accepted(stand_in: Any) -> None:
+    """vLLM's shared region locks its memory with cudaHostRegister; torch 2.11's
+    ``is_pinned()`` answers False for such memory (seen on an H200), so a check that asks
+    torch refused the region as pageable and the worker could not start on a GPU."""
+    api = stand_in(RangeLockingApi())
+    backing = torch.zeros(4 * 4096 + 4096, dtype=torch.uint8)
+    start = -backing.data_ptr() % 4096
+    tensor = backing[start : start + 4 * 4096].view(4, 4096)
+    assert not tensor.is_pinned()
+    api.registered[tensor.data_ptr()] = tensor.numel()
+    pool = pool_module.wrap_pool(tensor, rows=4, row_bytes=4096, cuda=True)
+    assert pool.pinned and pool.locked_by == "cudaHostRegister"
+    assert pool.device_address == tensor.data_ptr() + api.shift
+
+
+def test_wrapped_pool_locked_only_in_part_is_refused(stand_in: Any) -> None:
+    api = stand_in(RangeLockingApi())
+    backing = torch.zeros(4 * 4096 + 4096, dtype=torch.uint8)
+    start = -backing.data_ptr() % 4096
+    tensor = backing[start : start + 4 * 4096].view(4, 4096)
+    with pytest.raises(ValueError, match="pool is pageable host memory"):
+        pool_module.wrap_pool(tensor, rows=4, row_bytes=4096, cuda=True)
+    api.registered[tensor.data_ptr()] = 2 * 4096  # rows 0-1 locked, rows 2-3 pageable
+    with pytest.raises(ValueError, match=r"row 3 .* is not page-locked"):
+        pool_module.wrap_pool(tensor, rows=4, row_bytes=4096, cuda=True)

@@ -77,6 +77,19 @@ def drain(engine: TransferEngine, count: int, seconds: float = DRAIN_SECONDS) ->
     return results
 
 
+def assert_page_locked(engine: TransferEngine) -> None:
+    """The pool is page-locked from its first to its last byte with one linear device
+    mapping, as CUDA reports it (torch 2.11's ``is_pinned()`` answers False for memory
+    locked with cudaHostRegister, so it cannot be the judge)."""
+    from triton_offload.transfer.pool import cuda_api
+
+    pool = engine.pool
+    last = (pool.size(0) - 1) * engine._pool.row_stride + pool.size(1) - 1
+    assert engine._pool.pinned
+    assert engine.pool_address == cuda_api().device_pointer(pool.data_ptr())
+    assert cuda_api().device_pointer(pool.data_ptr() + last) == engine.pool_address + last
+
+
 STORE = ([[3, 9, 4], [0, 15], [7]], [[2, 5], [11, 10], [8]], [1, 1, 0])
 LOAD_TARGETS = [[1, 2, 10], [6, 8], [12]]
 
@@ -86,7 +99,7 @@ def test_round_trip(backend: str) -> None:
     caches, storages = hybrid_caches()
     kwargs = {"crossover": 32 << 10} if backend == "auto" else {}  # configured: no calibration
     engine = TransferEngine(plan(), caches, HOST_BLOCKS, backend=backend, **kwargs)
-    assert engine.pool.is_pinned()
+    assert_page_locked(engine)
     engine.pool.copy_(torch.randint(0, 256, engine.pool.shape, dtype=torch.uint8))
     pool_before = engine.pool.clone()
     before = host_bytes(storages)
@@ -228,25 +241,25 @@ def test_dma_merges_contiguous_runs() -> None:
 
 
 def test_pool_pinned_in_pieces_with_one_device_mapping() -> None:
-    from triton_offload.transfer.pool import cuda_api
+    from triton_offload.transfer.pool import piece_ranges
 
     caches, _ = hybrid_caches()
-    engine = TransferEngine(
-        plan(1), caches, HOST_BLOCKS, backend="triton", pool_piece_bytes=64 << 10
-    )
+    # Pieces hold whole rows and whole OS pages, so a piece is at least page / gcd(page,
+    # row) rows (up to 256 for 16-byte rows): 513 rows give at least three pieces.
+    rows = 513
+    engine = TransferEngine(plan(1), caches, rows, backend="triton", pool_piece_bytes=64 << 10)
     assert engine._pool.locked_by == "cudaHostRegister", (
         "cudaHostRegister was refused here: the pool fell back to torch's pinned "
         "allocator (the warning in the log names the CUDA error)"
     )
-    assert len(engine._pool._pieces) > 1
-    assert engine.pool.is_pinned()
-    assert engine.pool_address == cuda_api().device_pointer(engine.pool.data_ptr())
-    engine.submit_store(0, gpu_blocks=[[1], [2], [3]], host_blocks=[[0], [HOST_BLOCKS - 1], [5]])
+    expected = piece_ranges(rows, engine.row_bytes, 64 << 10)
+    assert len(expected) >= 3
+    assert len(engine._pool._pieces) == len(expected)
+    assert_page_locked(engine)
+    engine.submit_store(0, gpu_blocks=[[1], [2], [3]], host_blocks=[[0], [rows - 1], [5]])
     engine.wait([0])
     assert drain(engine, 1)[0].success
-    assert torch.equal(
-        engine.pool_view(2)[HOST_BLOCKS - 1, 0], engine.layout.planes[2].view[2].cpu()
-    )
+    assert torch.equal(engine.pool_view(2)[rows - 1, 0], engine.layout.planes[2].view[2].cpu())
     engine.shutdown()
 
 

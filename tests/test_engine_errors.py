@@ -10,7 +10,6 @@ import torch
 
 from triton_offload import GroupSpec, plan_offload
 from triton_offload.transfer.engine import TransferEngine
-from triton_offload.transfer.pool import wrap_pool
 
 NUM_BLOCKS = 6
 HOST_BLOCKS = 4
@@ -167,9 +166,7 @@ def test_pool_argument() -> None:
         TransferEngine(plan, make_caches(), HOST_BLOCKS, backend="torch", pool=columns)
     with pytest.raises(TypeError, match=r"pool must be a torch\.Tensor, got ndarray"):
         TransferEngine(plan, make_caches(), HOST_BLOCKS, pool=pool.numpy())  # type: ignore[arg-type]
-    # With CUDA, a pageable CPU pool is rejected (checked without a GPU here).
-    with pytest.raises(ValueError, match="pool is pageable host memory"):
-        wrap_pool(pool, rows=HOST_BLOCKS, row_bytes=engine.row_bytes, cuda=True)
+    # With CUDA, a pageable or partly locked CPU pool is refused: tests/test_cuda_bindings.py.
 
 
 def test_block_lists_cannot_be_given_by_position(engine: TransferEngine) -> None:

@@ -484,7 +484,7 @@ def test_cuda_worker_locks_its_pages_and_moves_them(backend: str) -> None:
     region = worker.region
     try:
         assert region.is_pinned and region.pinned_addresses
-        assert worker.engine.pool.is_pinned()
+        assert worker.engine._pool.pinned and worker.engine._pool.locked_by == "cudaHostRegister"
         raw = region.base_tensor.view(torch.uint8).view(spec.num_chunks, -1)
         raw.fill_(0x5A)
         before = raw.clone()

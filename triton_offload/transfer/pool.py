@@ -396,15 +396,44 @@ def wrap_pool(tensor: torch.Tensor, *, rows: int, row_bytes: int, cuda: bool) ->
             "of a row: rows would overlap"
         )
     if tensor.device.type == "cpu" and cuda:
-        if not tensor.is_pinned():
-            raise ValueError(
-                "pool is pageable host memory; with CUDA the host pool must be pinned "
-                "(torch.empty(..., pin_memory=True) or cudaHostRegister)"
-            )
-        return HostPool(
-            tensor, device_address_of_pinned(tensor), pinned=True, locked_by="pin_memory"
-        )
+        return _wrap_page_locked(tensor, rows, row_bytes)
     return HostPool(tensor, tensor.data_ptr(), pinned=False)
+
+
+def _wrap_page_locked(tensor: torch.Tensor, rows: int, row_bytes: int) -> HostPool:
+    """A caller's CPU pool on a CUDA host: page-locked from its first to its last byte,
+    and reached by the kernels through one linear device mapping.
+
+    CUDA is asked, not torch: torch 2.11's ``is_pinned()`` answers False for memory
+    locked with ``cudaHostRegister`` (seen on an H200), which is how vLLM's shared region
+    is locked, so asking torch refused every region as pageable. Both ends are checked:
+    a pool locked only in part would fault or read stale bytes in its unlocked rows.
+    """
+    api = cuda_api()
+    first = tensor.data_ptr()
+    try:
+        device_first = api.device_pointer(first)
+    except RuntimeError as error:
+        raise ValueError(
+            "pool is pageable host memory; with CUDA the host pool must be page-locked "
+            f"(torch.empty(..., pin_memory=True) or cudaHostRegister): {error}"
+        ) from None
+    last_offset = (rows - 1) * row_stride_of(tensor) + row_bytes - 1
+    try:
+        device_last = api.device_pointer(first + last_offset)
+    except RuntimeError as error:
+        raise ValueError(
+            f"pool row {rows - 1} (its last byte at host address {first + last_offset:#x}) "
+            f"is not page-locked, though row 0 is: lock the whole pool ({error})"
+        ) from None
+    if device_last != device_first + last_offset:
+        raise ValueError(
+            f"pool row {rows - 1} maps to device address {device_last:#x}, not "
+            f"{device_first + last_offset:#x}: the kernels need one linear device mapping "
+            "of the whole pool"
+        )
+    locked_by = "pin_memory" if tensor.is_pinned() else "cudaHostRegister"
+    return HostPool(tensor, device_first, pinned=True, locked_by=locked_by)
 
 
 __all__ = [
