@@ -42,6 +42,11 @@ try:
     import triton_offload.vllm as tv
     from triton_offload.vllm import region as vllm_region
 
+    # Imported now, before a test stands in for vLLM's region class: importing the spec
+    # checks the signatures of the vLLM names it relies on, and a stand-in's would differ
+    # (this file alone failed that check; the whole suite had imported the spec earlier).
+    from triton_offload.vllm import spec as _spec  # noqa: F401
+
     VLLM_ERROR: str | None = None
 except ImportError as error:  # pragma: no cover - exercised where vllm is absent
     VLLM_ERROR = f"vllm cannot be imported: {error}"
