@@ -646,7 +646,10 @@ def test_a_bad_fs_chunk_file(engines: list[Engine], tmp_path: Path, how: str) ->
         return
     # The chunks before the bad one were promoted and loaded; it and after recomputed.
     assert first_computed_block(engine, "B") == BAD
-    if how == "another layout's file":
+    # Refused at the worker's load (the scheduler checks headers only): a payload whose
+    # checksum fails, a layout the scheduler cannot know.
+    refused_at_load = how in ("flipped byte", "another layout's file")
+    if refused_at_load:
         restore_then_hit_all(engine, row)
     else:
         # Refused before it counted: B stored it again, C loads every chunk.
@@ -661,11 +664,13 @@ def test_a_bad_fs_chunk_file(engines: list[Engine], tmp_path: Path, how: str) ->
         assert row.refused_chunks >= 1
     else:
         assert row.refused_chunks == 1
-    if how == "another layout's file":
-        # The scheduler cannot know the worker's row layout: the promotion passes and
-        # the worker's check refuses the load (then vLLM recomputes from it).
+    if refused_at_load:
+        # The scheduler reads no payload byte and cannot know the worker's row layout:
+        # the promotion passes and the worker's check refuses the load, its blocks
+        # reported (then vLLM recomputes from it).
         assert (row.failed_loads, row.recomputed, guard.promotions_refused) == (1, 1, 0)
-        row.outcome = f"promoted, load refused (layout digest); recomputed from {BAD}"
+        why = "payload checksum" if how == "flipped byte" else "layout digest"
+        row.outcome = f"promoted, load refused ({why}); recomputed from {BAD}"
     else:
         assert (row.failed_loads, row.recomputed) == (0, 0)
         where = "fs read failed" if how in ("truncated", "zero-length") else "seal"

@@ -36,7 +36,7 @@ except ImportError as error:  # pragma: no cover - exercised where vllm is absen
 
 from test_vllm_tiering import TIMEOUT_S, _finish, _settle, make_config
 
-from triton_offload.transfer.seal import SEAL_BYTES
+from triton_offload.transfer.seal import SEAL_BYTES, page_checksum, read_seal
 
 PLANE = 512  # bytes per block per plane: a chunk's payload is 2 planes x 2 blocks x 512
 PAYLOAD = 2 * 2 * PLANE
@@ -142,7 +142,10 @@ def test_a_sealed_store_writes_the_chunk_and_its_seal_only(tiered: Tiered) -> No
     # The seal is the last 64 bytes of the worker's page (payload + 64 bytes here).
     page_end = tiered.spec.cpu_page_size_per_worker
     assert page_end == PAYLOAD + SEAL_BYTES
-    assert bytes(tiered.rows[row, PAYLOAD : PAYLOAD + 8].numpy()) == b"TOSEAL\x00\x01"
+    assert bytes(tiered.rows[row, PAYLOAD : PAYLOAD + 8].numpy()) == b"TOSEAL\x00\x02"
+    seal = read_seal(tiered.rows[row, :page_end].numpy())
+    assert not isinstance(seal, str) and seal.payload_bytes == PAYLOAD
+    assert seal.payload_checksum == page_checksum(payload.numpy(), seal.algorithm)
     # Nothing else changed: the rest of the row and every other row keep the poison.
     assert torch.all(tiered.rows[row, page_end:] == 0xA5)
     assert all(torch.all(tiered.rows[r] == 0xA5) for r in range(3) if r != row)
@@ -187,21 +190,39 @@ FAULTS = [
 
 
 @pytest.mark.parametrize("how", FAULTS)
-def test_a_bad_fs_file_is_refused_at_promotion_and_quarantined(
+def test_a_bad_fs_file_is_refused_and_quarantined(
     tiered: Tiered, how: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     _evict_to_fs(tiered)
     _tamper(tiered, how, tmp_path)
+    guard = tiered.manager.triton_guard
     with caplog.at_level("WARNING", logger="vllm.triton_offload"):
         seen = tiered.lookup_until_settled(key(0))
+        if how == "flipped byte":
+            # The seal's header is whole: the scheduler (headers only) promotes it, and
+            # the worker's load refuses the payload once the copy computed its checksum.
+            assert seen[-1] is LookupResult.HIT and guard.promotions_refused == 0
+            load = tiered.manager.prepare_load([key(0)], tiered.context)
+            tiered.job += 1
+            gpu = GPULoadStoreSpec([12, 13], [2], [0])
+            assert tiered.worker.submit_load(tiered.job, load, gpu)
+            tiered.worker.wait({tiered.job})
+            (result,) = tiered.worker.get_finished()
+            tiered.manager.complete_load([key(0)], tiered.context)
+            assert not result.success and "payload checksum mismatch" in result.problem
+            assert result.failed_blocks == ((12, 13),)
+            assert result.bad_keys == (bytes(key(0)),)
+            guard.quarantine(tiered.manager, result.bad_keys)  # as the connector does
+            seen = tiered.lookup_until_settled(key(0))
     assert seen[-1] is LookupResult.MISS
-    guard = tiered.manager.triton_guard
     assert bytes(key(0)) in guard.quarantined
     # Looked up again: a miss at once, no second promotion of the bad file.
     assert tiered.lookup_until_settled(key(0)) == [LookupResult.MISS]
-    if how not in ("truncated", "zero-length"):  # the fs tier itself fails those reads
+    if how not in ("truncated", "zero-length", "flipped byte"):  # fs fails those reads
         assert guard.promotions_refused == 1
-    assert "secondary tier 'fs'" in caplog.text and bytes(key(0)).hex() in caplog.text
+    if how != "flipped byte":
+        assert "secondary tier 'fs'" in caplog.text
+    assert bytes(key(0)).hex() in caplog.text
     # The good neighbour still promotes and loads byte-exactly.
     assert tiered.lookup_until_settled(key(1))[-1] is LookupResult.HIT
     for plane in tiered.planes:

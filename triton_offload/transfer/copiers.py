@@ -506,13 +506,17 @@ class TritonCopier(Copier):
             device=self.device,
         )
 
-    def warm_up(self) -> None:
-        """Compile the kernel before the first job (a launch that moves no byte).
+    def warm_up(self, *, checksum: bool = False) -> None:
+        """Compile the kernel before the first job (a launch that moves no byte); with
+        ``checksum`` its checksumming variants too.
 
         No kernel argument is specialized, so the one kernel compiled for this device
         serves every later job, whatever its tables, pair count or pool address.
         """
-        self.kernels.warm_up(self.device, self.tile_bytes)
+        if checksum:
+            self.kernels.warm_up(self.device, self.tile_bytes, checksum=True)
+        else:
+            self.kernels.warm_up(self.device, self.tile_bytes)
 
     def grid(self, tables: KernelTables) -> int:
         if self.num_programs is not None:
@@ -520,8 +524,20 @@ class TritonCopier(Copier):
         return int(self.kernels.default_num_programs(self.device, tables.mean_tile_bytes))
 
     def prepare(
-        self, table: PairTable, direction: int, planes: PlaneSubset, holds: JobHolds, stream: Any
+        self,
+        table: PairTable,
+        direction: int,
+        planes: PlaneSubset,
+        holds: JobHolds,
+        stream: Any,
+        *,
+        sums: PageSums | None = None,
     ) -> Callable[[], None]:
+        """As :meth:`Copier.prepare`; with ``sums`` the launch also adds each page's
+        ``wsum64`` to ``sums`` (``sums.write`` False: it only reads, see
+        :class:`PageSums`). Checksummed jobs are whole-page jobs: no writer rotation."""
+        if sums is not None:
+            return self._prepare_part(table, direction, planes, holds, stream, sums)
         launches = [
             self._prepare_part(part, direction, subset, holds, stream)
             for part, subset in writer_parts(
@@ -536,7 +552,13 @@ class TritonCopier(Copier):
         return launches[0] if len(launches) == 1 else run
 
     def _prepare_part(
-        self, table: PairTable, direction: int, planes: PlaneSubset, holds: JobHolds, stream: Any
+        self,
+        table: PairTable,
+        direction: int,
+        planes: PlaneSubset,
+        holds: JobHolds,
+        stream: Any,
+        sums: PageSums | None = None,
     ) -> Callable[[], None]:
         """One launch: ``table`` over ``planes`` (one writer class of a store)."""
         tables = self.tables_for(planes, stream)
@@ -544,26 +566,60 @@ class TritonCopier(Copier):
         n = pairs.shape[0]
         if self.cuda:
             start, total = table_layout(n, offsets.size)
-            index, staged = self.staging.acquire(total)
+            extra = 0 if sums is None else n
+            index, staged = self.staging.acquire(total + extra)
             # Released after the job's end event, which the engine records even when the
             # job fails: nothing enqueued for the job reads the buffer after it.
             holds.releases.append(lambda event: self.staging.release_after(index, event))
             words = staged.numpy()
             words[: 3 * n] = pairs.reshape(-1)
             words[start:total] = offsets
+            if sums is not None:
+                words[total : total + n] = sums.pair_pages
             device_table = _upload(staged, self.device)
             holds.keep_alive.append(device_table)
             device_pairs = device_table[: 3 * n].view(n, 3)
             device_offsets = device_table[start:total]
+            pair_pages = None if sums is None else device_table[total : total + n]
         else:
             device_pairs = torch.from_numpy(np.ascontiguousarray(pairs))
             device_offsets = torch.from_numpy(np.ascontiguousarray(offsets))
+            pair_pages = None if sums is None else torch.from_numpy(sums.pair_pages)
         launch, address, grid = self.kernels.launch_copy, self.pool_address, self.grid(tables)
+        if sums is None:
 
-        def run() -> None:
-            launch(tables, device_pairs, device_offsets, address, direction, num_programs=grid)
+            def run() -> None:
+                launch(tables, device_pairs, device_offsets, address, direction, num_programs=grid)
 
-        return run
+            return run
+        page_sums, write = sums.page_sums, sums.write
+
+        def run_summed() -> None:
+            launch(
+                tables,
+                device_pairs,
+                device_offsets,
+                address,
+                direction,
+                num_programs=grid,
+                page_sums=page_sums,
+                pair_pages=pair_pages,
+                write=write,
+            )
+
+        return run_summed
+
+
+@dataclass(frozen=True)
+class PageSums:
+    """Where a launch adds its page checksums: ``page_sums`` (int64 ``[pages]`` on the
+    kernel's device, zeroed before the job) at ``pair_pages[i]`` for pair ``i`` (int64
+    host array). ``write`` False: a read-only pass over the side the direction reads
+    (0: the GPU blocks, 1: the pool), nothing written."""
+
+    page_sums: torch.Tensor
+    pair_pages: np.ndarray
+    write: bool = True
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
@@ -639,6 +695,7 @@ __all__ = [
     "HostCopier",
     "JobHolds",
     "KernelTables",
+    "PageSums",
     "StagingRing",
     "TritonCopier",
     "check_tile_bytes",

@@ -68,15 +68,18 @@ from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 from triton_offload.planner.plan import OffloadPlan
 from triton_offload.transfer.batch_copy import find_batch_copy
+from triton_offload.transfer.checksums import PageChecksums, host_checksums, job_pages
 from triton_offload.transfer.copiers import (
     Copier,
     DmaCopier,
     HostCopier,
     JobHolds,
+    PageSums,
     TritonCopier,
     load_kernels,
 )
@@ -103,6 +106,7 @@ from triton_offload.transfer.pool import (
     cuda_api,
     wrap_pool,
 )
+from triton_offload.transfer.seal import DEVICE_ALGORITHM, HOST_ALGORITHM
 from triton_offload.transfer.selection import (
     PATH_CHOICES,
     Assignment,
@@ -147,6 +151,8 @@ class TransferResult:
     success: bool
     transfer_size: int
     transfer_time: float
+    #: The page checksums of a job submitted with ``checksum=True`` that succeeded.
+    checksums: PageChecksums | None = None
 
 
 @dataclass(frozen=True)
@@ -183,15 +189,26 @@ class _Job:
     holds: JobHolds = field(default_factory=JobHolds)
     # Set once the copy returned or failed (CPU) or was enqueued (CUDA: end recorded).
     finished: threading.Event = field(default_factory=threading.Event)
+    checksum: bool = False
+    # Checksummed jobs: the rows and the host copy of their sums (read once ended), or
+    # the sums computed on the host (CPU path).
+    checksum_rows: np.ndarray | None = None
+    checksum_values: Any = None
 
     def done(self) -> bool:
         return self.end is None or bool(self.end.query())
 
-    def result(self) -> TransferResult:
+    def result(self, algorithm: str = "") -> TransferResult:
         seconds = self.transfer_time
         if self.success and self.start is not None and self.end is not None:
             seconds = self.start.elapsed_time(self.end) / 1e3
-        return TransferResult(self.job_id, self.success, self.transfer_size, seconds)
+        checksums = None
+        if self.success and self.checksum and self.checksum_rows is not None:
+            values = self.checksum_values
+            if isinstance(values, torch.Tensor):
+                values = values.numpy().view(np.uint64).copy()
+            checksums = PageChecksums(self.checksum_rows, values, algorithm)
+        return TransferResult(self.job_id, self.success, self.transfer_size, seconds, checksums)
 
 
 def _release(streams: list[Any], pool: HostPool) -> None:
@@ -284,6 +301,11 @@ class TransferEngine:
             from only the k-th of n equal, disjoint slices of the pool's rows. Engines
             whose pools share rows (one region, replicated chunks) and calibrate at the
             same time pass distinct k and the same n; default ``(0, 1)``: every row.
+        page_checksums: jobs may ask for the checksum of every page (pool row) they
+            name (``submit_*(..., checksum=True)``): ``wsum64`` computed by the copy
+            kernel or a device pass on CUDA and under the Triton interpreter (its
+            variants compiled now), ``xxh3_64`` by the host on the CPU path
+            (:attr:`checksum_algorithm`; see ``transfer.checksums``).
     """
 
     def __init__(
@@ -301,6 +323,7 @@ class TransferEngine:
         pool_piece_bytes: int = DEFAULT_PIECE_BYTES,
         path_choice: PathChoice = "plane",
         calibration_rows: tuple[int, int] = (0, 1),
+        page_checksums: bool = False,
     ) -> None:
         if backend not in _BACKENDS:
             raise ValueError(f"backend {backend!r} is not one of {_BACKENDS}")
@@ -334,6 +357,16 @@ class TransferEngine:
         self.row_bytes: int = self.layout.row_bytes
         self.num_programs = num_programs
 
+        if not isinstance(page_checksums, bool):
+            raise TypeError(f"page_checksums must be a bool, got {page_checksums!r}")
+        if page_checksums and self.layout.writer_classes not in ((), ((1, 0),)):
+            # A page whose slots several ranks take turns writing is not one engine's to
+            # checksum (vLLM's stock rows, which carry no seal).
+            raise ValueError(
+                "page_checksums needs pages this engine writes whole; the layout's planes "
+                f"take turns writing them (writer classes {self.layout.writer_classes})"
+            )
+        self.page_checksums = page_checksums
         if not self.cuda and backend == "dma":
             raise ValueError("backend 'dma' needs CUDA caches; the caches are on the CPU")
         if self.cuda and backend == "torch":
@@ -399,11 +432,25 @@ class TransferEngine:
             name: self._make_copier(name) for name in _BACKEND_COPIERS[backend]
         }
         triton = self.copiers.get("triton")
+        #: What ``checksum=True`` jobs compute: device-side sums wherever a kernel can
+        #: run (the bytes are summed where they move), the host's hash on the CPU path.
+        self.checksum_algorithm: str = (
+            DEVICE_ALGORITHM if self.cuda or backend == "triton" else HOST_ALGORITHM
+        )
+        # The launches that sum pages (fused into the copy, or read-only passes).
+        self._summer: TritonCopier | None = None
+        if page_checksums and self.checksum_algorithm == DEVICE_ALGORITHM:
+            self._summer = (
+                triton if isinstance(triton, TritonCopier) else self._make_copier("triton")
+            )
         if self.cuda and isinstance(triton, TritonCopier):
             # Compile now: the first job would otherwise wait ~1 s for it mid-serving.
             # On the current stream, after the table uploads it reads.
             with torch.cuda.device(self.device):
                 triton.warm_up()
+        if self.cuda and self._summer is not None:
+            with torch.cuda.device(self.device):
+                self._summer.warm_up(checksum=True)
         self.crossover: Crossover | None = None
         self.policy: PathPolicy
         if backend == "auto":
@@ -463,11 +510,14 @@ class TransferEngine:
         gpu_blocks: Sequence[Any] | None = None,
         host_blocks: Sequence[Any] | None = None,
         first_block_index: Sequence[int] | None = None,
+        checksum: bool = False,
     ) -> bool:
         """Copy GPU blocks into host rows; returns False once the engine is shut down.
 
         The job is a ``JobSpec`` or the keyword lists ``gpu_blocks=``, ``host_blocks=``
-        (and optionally ``first_block_index=``), one entry per group.
+        (and optionally ``first_block_index=``), one entry per group. ``checksum=True``
+        (an engine made with ``page_checksums``): its result carries the checksum of
+        every pool row it names, whole payload, computed where the bytes moved.
         """
         _refuse_positional_lists("submit_store", positional_lists)
         spec = JobSpec.of(
@@ -476,7 +526,7 @@ class TransferEngine:
             host_blocks=host_blocks,
             first_block_index=first_block_index,
         )
-        return self._submit(job_id, spec, TO_POOL)
+        return self._submit(job_id, spec, TO_POOL, checksum=checksum)
 
     def submit_load(
         self,
@@ -487,6 +537,7 @@ class TransferEngine:
         host_blocks: Sequence[Any] | None = None,
         first_block_index: Sequence[int] | None = None,
         expedited: bool = False,
+        checksum: bool = False,
     ) -> bool:
         """Copy host rows into GPU blocks; returns False once the engine is shut down.
 
@@ -497,6 +548,8 @@ class TransferEngine:
         is reported once by ``get_finished``. Lanes are not ordered with each other: a
         regular load and an expedited one must not write the same GPU blocks unless
         the caller waits for the first (as for a store and a load of one host row).
+        ``checksum=True``: as for :meth:`submit_store`, of the pool bytes the job read
+        (and of the slots of its rows it did not move).
         """
         _refuse_positional_lists("submit_load", positional_lists)
         if not isinstance(expedited, bool):
@@ -507,7 +560,13 @@ class TransferEngine:
             host_blocks=host_blocks,
             first_block_index=first_block_index,
         )
-        return self._submit(job_id, spec, FROM_POOL, lane=EXPEDITED_LOAD if expedited else None)
+        return self._submit(
+            job_id,
+            spec,
+            FROM_POOL,
+            lane=EXPEDITED_LOAD if expedited else None,
+            checksum=checksum,
+        )
 
     def _submit(
         self,
@@ -517,9 +576,14 @@ class TransferEngine:
         assignment: Assignment | None = None,
         *,
         lane: int | None = None,
+        checksum: bool = False,
     ) -> bool:
         if self._closed:
             return False
+        if not isinstance(checksum, bool):
+            raise TypeError(f"checksum must be a bool, got {checksum!r}")
+        if checksum and not self.page_checksums:
+            raise ValueError("checksum=True needs an engine made with page_checksums=True")
         try:
             hash(job_id)
         except TypeError:
@@ -532,6 +596,7 @@ class TransferEngine:
         if assignment is None:
             assignment = self.policy.assign(direction, counts)
         job = _Job(job_id, direction, assignment, size, direction if lane is None else lane)
+        job.checksum = checksum
         with self._lock:
             if self._closed:
                 return False
@@ -549,10 +614,48 @@ class TransferEngine:
         return True
 
     def _prepare(self, job: _Job, table: PairTable, stream: Any) -> list[Callable[[], None]]:
+        if job.checksum and self._summer is not None:
+            return self._prepare_summed(job, table, stream)
         return [
             self.copiers[name].prepare(table, job.direction, planes, job.holds, stream)
             for name, planes in job.assignment
         ]
+
+    def _prepare_summed(self, job: _Job, table: PairTable, stream: Any) -> list[Callable[[], None]]:
+        """A checksummed job's launches: the copy with the sums fused in when the kernel
+        copies the whole job, else the copiers' runs and a read-only device pass over
+        the GPU blocks (before a store's copy, after a load's landed); then a read-only
+        pass over the pool slots of its rows the job does not move; then, on CUDA, the
+        sums' copy to the host. The host reads no payload byte."""
+        summer = self._summer
+        assert summer is not None
+        pages = job_pages(self.layout, table)
+        page_sums = torch.zeros(pages.rows.size, dtype=torch.int64, device=self.device)
+        job.holds.keep_alive.append(page_sums)
+        holds = job.holds
+        if job.assignment == (("triton", None),):
+            sums = PageSums(page_sums, pages.pair_pages)
+            runs = [summer.prepare(table, job.direction, None, holds, stream, sums=sums)]
+        else:
+            copies = [
+                self.copiers[name].prepare(table, job.direction, planes, holds, stream)
+                for name, planes in job.assignment
+            ]
+            cache_side = PageSums(page_sums, pages.pair_pages, write=False)
+            gpu_pass = summer.prepare(table, TO_POOL, None, holds, stream, sums=cache_side)
+            runs = [gpu_pass, *copies] if job.direction == TO_POOL else [*copies, gpu_pass]
+        if pages.rest.pairs.shape[0]:
+            pool_side = PageSums(page_sums, pages.rest_pages, write=False)
+            runs.append(summer.prepare(pages.rest, FROM_POOL, None, holds, stream, sums=pool_side))
+        job.checksum_rows = pages.rows
+        if self.cuda:
+            host = torch.empty(pages.rows.size, dtype=torch.int64, pin_memory=True)
+            job.holds.keep_alive.append(host)
+            job.checksum_values = host
+            runs.append(lambda: host.copy_(page_sums, non_blocking=True))
+        else:
+            job.checksum_values = page_sums
+        return runs
 
     def _run_cpu(self, job: _Job, table: PairTable) -> None:
         """Copy now; the job is reported (queued for get_finished) only after its copy
@@ -565,6 +668,13 @@ class TransferEngine:
                 for run in runs:
                     run()
                 job.transfer_time = time.perf_counter() - start
+                if job.checksum and self._summer is None:
+                    # The CPU path: the host hashes each page right after copying it,
+                    # while its bytes are still in cache.
+                    sums = host_checksums(
+                        self.pool.numpy(), self.layout, table, self.checksum_algorithm
+                    )
+                    job.checksum_rows, job.checksum_values = sums.rows, sums.values
         except BaseException as error:
             job.success = False
             if isinstance(error, Exception):
@@ -663,7 +773,7 @@ class TransferEngine:
         if self.cuda:
             job.end.synchronize()
         job.holds.keep_alive.clear()
-        result = job.result()
+        result = job.result(self.checksum_algorithm)
         if not result.success:
             raise RuntimeError(f"calibration {DIRECTION_NAMES[job.direction]} job failed")
         return result
@@ -690,7 +800,7 @@ class TransferEngine:
         try:
             for job in done:
                 job.holds.keep_alive.clear()
-                results.append(job.result())
+                results.append(job.result(self.checksum_algorithm))
             with self._lock:
                 for job in done:
                     self._active.pop(job.job_id, None)

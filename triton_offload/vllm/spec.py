@@ -330,6 +330,8 @@ class TritonWorkerSide:
             backend=options.backend,
             num_programs=options.num_programs,
             crossover=options.crossover,
+            # Sealed pages: every job's page checksums are computed where it moves them.
+            page_checksums=self.sealed_pages,
             calibration_rows=(
                 (region_plan.rank, world)
                 if shared_rows and 1 < world <= self.num_chunks

@@ -59,17 +59,35 @@ def chunk_gpu_blocks(job: JobSpec, group: int, index: int, blocks_per_chunk: int
     return np.asarray(job.gpu_blocks[group][lo:hi])
 
 
-def _chunk_entries(job: JobSpec, keys: tuple[bytes, ...] | None) -> list[tuple[int, int, int, Any]]:
-    """(group, index in group, host chunk id, key or None) of every chunk of a job, in
-    the host spec's order (keys, when the spec carries them, are in that order)."""
-    entries = []
-    position = 0
-    for group, chunks in enumerate(job.host_blocks):
-        for index, chunk in enumerate(chunks):
-            key = keys[position] if keys is not None else None
-            entries.append((group, index, int(chunk), key))
-            position += 1
-    return entries
+@dataclasses.dataclass(frozen=True)
+class JobChunks:
+    """Every host chunk of a job in the host spec's order (keys, when the spec carries
+    them, are in that order): its group, index in the group, chunk id (this worker's
+    page) and key (None without keys), with the keys' seal digests ``[n, 8]``."""
+
+    groups: np.ndarray
+    indices: np.ndarray
+    chunks: np.ndarray
+    keys: tuple[bytes, ...] | None
+    digests: np.ndarray | None
+
+    @classmethod
+    def of(cls, job: JobSpec, keys: tuple[bytes, ...] | None) -> JobChunks:
+        sizes = [int(chunks.size) for chunks in job.host_blocks]
+        groups = np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
+        starts = np.repeat(np.cumsum([0, *sizes[:-1]]), sizes) if sizes else np.zeros(0)
+        indices = np.arange(groups.size, dtype=np.int64) - starts.astype(np.int64)
+        chunks = np.concatenate([np.zeros(0, np.int64), *job.host_blocks]).astype(np.int64)
+        digests = None
+        if keys is not None:
+            keys = tuple(bytes(key) for key in keys)
+            digests = np.frombuffer(b"".join(map(key_digest, keys)), dtype=np.uint8)
+            digests = digests.reshape(-1, 8)
+        return cls(groups, indices, chunks, keys, digests)
+
+    def checksums_of(self, checksums: Any) -> np.ndarray:
+        """The engine's per-row checksums in this job's chunk order."""
+        return checksums.values[np.searchsorted(checksums.rows, self.chunks)]
 
 
 class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
@@ -140,9 +158,9 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
         self._planes_note = planes_note  # this worker's published planes (tiering spec)
         #: Per group and ref, where vLLM 0.34's DevicePointers point (transfer.pointers).
         self.device_planes = device_planes
-        self._to_seal: dict[Any, list[tuple[int, int, Any]]] = {}  # store job -> chunks
-        # Load job -> (its JobSpec, the failed chunks found before the copy).
-        self._loads: dict[Any, tuple[JobSpec, list[tuple[int, int, Any, str]]]] = {}
+        self._to_seal: dict[Any, JobChunks] = {}  # store job -> its chunks
+        # Load job -> its JobSpec and chunks (checked once the copy ended).
+        self._loads: dict[Any, tuple[JobSpec, JobChunks | None]] = {}
 
     # ------------------------------------------------------------ job input
 
@@ -247,18 +265,16 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
             if chunks is not None:
                 self._published[job_id] = chunks
             if self.sealer is not None:
-                entries = _chunk_entries(job, spec_keys(dst_spec))
-                self._to_seal[job_id] = [
-                    (chunk, group, key_digest(key)) for group, _, chunk, key in entries
-                ]
+                self._to_seal[job_id] = JobChunks.of(job, spec_keys(dst_spec))
 
         def unregister() -> None:
             self._engine_jobs.discard(job_id)
             self._published.pop(job_id, None)
             self._to_seal.pop(job_id, None)
 
+        checksum = self.sealer is not None
         return self._engine_submit(
-            lambda: self.engine.submit_store(job_id, job), register, unregister
+            lambda: self.engine.submit_store(job_id, job, checksum=checksum), register, unregister
         )
 
     @staticmethod
@@ -288,52 +304,58 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
         if self.engine is None:
             self._empty_jobs.append(TransferResult(job_id, True, 0, 0.0))
             return True
-        bad = self._verify_load(job, spec_keys(src_spec)) if self.sealer is not None else []
+        # Nothing is checked here: the copy starts at once, its pages' checksums are
+        # computed where the bytes move, and the verdict joins the job's completion.
+        chunks = JobChunks.of(job, spec_keys(src_spec)) if self.sealer is not None else None
+        checksum = chunks is not None
 
         def register() -> None:
             self._engine_jobs.add(job_id)
-            self._loads[job_id] = (job, bad)
+            self._loads[job_id] = (job, chunks)
 
         def unregister() -> None:
             self._engine_jobs.discard(job_id)
             self._loads.pop(job_id, None)
 
         return self._engine_submit(
-            lambda: self.engine.submit_load(job_id, job, expedited=bool(expedited)),
+            lambda: self.engine.submit_load(
+                job_id, job, expedited=bool(expedited), checksum=checksum
+            ),
             register,
             unregister,
         )
 
-    def _verify_load(
-        self, job: JobSpec, keys: tuple[bytes, ...] | None
-    ) -> list[tuple[int, int, Any, str]]:
-        """The chunks of a load whose page on this worker fails its seal, checked before
-        any byte moves: (group, index in group, key, problem)."""
-        assert self.sealer is not None
+    def _verify_load(self, chunks: JobChunks, checksums: Any) -> list[tuple[int, int, Any, str]]:
+        """The chunks of a finished load whose page on this worker fails its seal:
+        headers checked here (batched, 64 bytes a page), payloads by the checksums the
+        copy computed: (group, index in group, key, problem)."""
+        sealer = self.sealer
+        assert sealer is not None
+        problems, records = sealer.header_problems(chunks.chunks, chunks.groups, chunks.digests)
+        values = None if checksums is None else chunks.checksums_of(checksums)
+        algorithm = None if checksums is None else checksums.algorithm
+        problems = sealer.payload_problems(chunks.chunks, records, problems, values, algorithm)
         bad = []
-        entries = _chunk_entries(job, keys)
-        problems = self.sealer.problems(
-            [
-                (chunk, group, None if key is None else key_digest(key))
-                for group, _, chunk, key in entries
-            ]
-        )
-        for (group, index, chunk, key), problem in zip(entries, problems, strict=True):
-            if problem is not None:
-                bad.append((group, index, key, problem))
-                logger.warning(
-                    "triton_offload: host chunk %d (key %s, group %d) refused before loading: %s",
-                    chunk,
-                    "unknown" if key is None else bytes(key).hex(),
-                    group,
-                    problem,
-                )
+        for position in (i for i, problem in enumerate(problems) if problem is not None):
+            key = None if chunks.keys is None else chunks.keys[position]
+            group, problem = int(chunks.groups[position]), problems[position]
+            bad.append((group, int(chunks.indices[position]), key, str(problem)))
+            logger.warning(
+                "triton_offload: host chunk %d (key %s, group %d) failed verification: %s",
+                int(chunks.chunks[position]),
+                "unknown" if key is None else bytes(key).hex(),
+                group,
+                problem,
+            )
         return bad
 
     def _load_result(self, result: Any) -> Any:
         """The vLLM result of a finished load: failed unless every chunk verified and
         the copy succeeded; what failed is named per group."""
-        job, bad = self._loads.pop(result.job_id)
+        job, chunks = self._loads.pop(result.job_id)
+        bad: list[tuple[int, int, Any, str]] = []
+        if result.success and chunks is not None:
+            bad = self._verify_load(chunks, result.checksums)
         if result.success and not bad:
             return TritonTransferResult(
                 result.job_id, True, result.transfer_size, result.transfer_time
@@ -359,16 +381,29 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
             problem=problem,
         )
 
-    def _seal_store(self, job_id: Any, success: bool) -> bool:
-        """Seal a finished store's chunks (only a successful copy is sealed)."""
-        entries = self._to_seal.pop(job_id, None)
-        if entries is None or not success:
-            return success
+    def _seal_store(self, result: Any) -> bool:
+        """Seal a finished store's chunks from the checksums its copy computed (only a
+        successful copy is sealed); headers only, one batch."""
+        chunks = self._to_seal.pop(result.job_id, None)
+        if chunks is None or not result.success:
+            return bool(result.success)
         assert self.sealer is not None
         try:
-            self.sealer.seal_all(entries)
+            checksums = result.checksums
+            if checksums is None:
+                raise RuntimeError("the engine returned no checksums for a checksummed store")
+            digests = chunks.digests
+            if digests is None:
+                digests = np.zeros((chunks.chunks.size, 8), dtype=np.uint8)
+            self.sealer.seal_pages(
+                chunks.chunks,
+                chunks.groups,
+                digests,
+                chunks.checksums_of(checksums),
+                checksums.algorithm,
+            )
         except Exception:  # an unsealed store is a failed store, never a crash
-            logger.exception("triton_offload: sealing store job %r failed", job_id)
+            logger.exception("triton_offload: sealing store job %r failed", result.job_id)
             return False
         return True
 
@@ -381,7 +416,7 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
             if result.job_id in self._loads:
                 report = self._load_result(result)
             else:
-                success = self._seal_store(result.job_id, bool(result.success))
+                success = self._seal_store(result)
                 report = TransferResult(
                     job_id=result.job_id,
                     success=success,

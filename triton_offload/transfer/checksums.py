@@ -1,0 +1,104 @@
+"""Page checksums of a job, computed where its bytes move (see ``transfer.seal``).
+
+A *page* is one pool row: one chunk of one group. A job moves some slots of each page
+it names; the checksum covers the whole page's payload (the group's row bytes), so the
+slots the job does not move are summed too, from the pool side, by a read-only pass
+over exactly those slots (a partial first chunk, a load of the window part of a
+sliding-window chunk). A page's alignment gaps are never written and stay zero, and
+zero bytes add nothing to ``wsum64``: the kernel's sums over slots equal
+``page_checksum`` of the payload.
+
+On CUDA (and under the Triton interpreter) the sums are ``wsum64``, computed by the
+copy kernel in the same pass as the copy, or by a device pass over the GPU blocks
+beside a DMA copy; the host reads no payload byte. On the CPU path the host computes
+``xxh3_64`` of each page after the copy, while its bytes are still in cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from triton_offload.transfer.jobs import PairTable
+from triton_offload.transfer.layout import CacheLayout
+from triton_offload.transfer.seal import page_checksums
+
+
+@dataclass(frozen=True)
+class PageChecksums:
+    """The checksum of every page a job named: ``rows`` (pool rows, ascending),
+    ``values`` (uint64, by ``algorithm``) in the same order."""
+
+    rows: np.ndarray
+    values: np.ndarray
+    algorithm: str
+
+
+@dataclass(frozen=True)
+class JobPages:
+    """The pages of one job, as the checksum passes need them.
+
+    ``rows``: the job's pool rows, ascending; ``pair_pages``: for each pair of the job's
+    table, the index of its row in ``rows``; ``rest``: the slots of those rows the job
+    does not move (gpu block 0: only the pool side is read) with ``rest_pages``, their
+    rows' indices.
+    """
+
+    rows: np.ndarray
+    pair_pages: np.ndarray
+    rest: PairTable
+    rest_pages: np.ndarray
+
+
+def job_pages(layout: CacheLayout, table: PairTable) -> JobPages:
+    """The pages of a validated job and the slots of them it leaves out."""
+    pairs, offsets = table
+    bpc = layout.blocks_per_chunk
+    rows, pair_pages = np.unique(pairs[:, 1], return_inverse=True)
+    pair_pages = pair_pages.reshape(-1).astype(np.int64)
+    # Which (page, slot) the job moves; a page belongs to one group (a row holds one
+    # chunk of one group), so the slots left out are per page.
+    moved = np.zeros((rows.size, bpc), dtype=bool)
+    moved[pair_pages, pairs[:, 2]] = True
+    num_groups = offsets.size - 1
+    group_of_pair = np.repeat(np.arange(num_groups, dtype=np.int64), np.diff(offsets))
+    page_group = np.zeros(rows.size, dtype=np.int64)
+    page_group[pair_pages] = group_of_pair
+    page_index, slot = np.nonzero(~moved)
+    order = np.argsort(page_group[page_index], kind="stable")
+    page_index, slot = page_index[order], slot[order]
+    rest_pairs = np.stack(
+        [np.zeros(page_index.size, np.int64), rows[page_index], slot.astype(np.int64)], axis=1
+    )
+    rest_offsets = np.zeros(num_groups + 1, dtype=np.int64)
+    np.cumsum(np.bincount(page_group[page_index], minlength=num_groups), out=rest_offsets[1:])
+    return JobPages(
+        rows.astype(np.int64),
+        pair_pages,
+        PairTable(np.ascontiguousarray(rest_pairs), rest_offsets),
+        page_index.astype(np.int64),
+    )
+
+
+def page_groups(table: PairTable, rows: np.ndarray) -> np.ndarray:
+    """The group of each of ``rows`` (the job's pages, ascending) in a job's table."""
+    pairs, offsets = table
+    num_groups = offsets.size - 1
+    group_of_pair = np.repeat(np.arange(num_groups, dtype=np.int64), np.diff(offsets))
+    groups = np.zeros(rows.size, dtype=np.int64)
+    groups[np.searchsorted(rows, pairs[:, 1])] = group_of_pair
+    return groups
+
+
+def host_checksums(
+    pool: np.ndarray, layout: CacheLayout, table: PairTable, algorithm: str
+) -> PageChecksums:
+    """The CPU path: each page's checksum computed here from the pool's bytes (the
+    group's row bytes of every row the job named)."""
+    rows = np.unique(table.pairs[:, 1]).astype(np.int64)
+    lengths = np.asarray(layout.group_row_bytes, dtype=np.int64)[page_groups(table, rows)]
+    return PageChecksums(rows, page_checksums(pool, rows, lengths, algorithm), algorithm)
+
+
+__all__ = ["JobPages", "PageChecksums", "host_checksums", "job_pages", "page_groups"]
