@@ -740,3 +740,31 @@ def test_rocm_is_refused_naming_the_platform(tv: Any, monkeypatch: pytest.Monkey
     monkeypatch.setattr(current_platform, "is_rocm", lambda: True)
     with pytest.raises(ValueError, match="ROCm"):
         tv.TritonOffloadingSpec(_config())
+
+
+@needs_vllm
+@pytest.mark.parametrize(
+    ("worker_bytes", "sealed_row", "logged"),
+    [
+        # 1000 x 2 blocks x 2 workers = 4000 bytes in a 4096-byte row; 96 bytes of slack
+        # do not hold two 64-byte seals: 2 x (2000 + 64) = 4128 -> 8192. Half the chunks.
+        (1000, 8192, True),
+        # 900 x 2 x 2 = 3600: 2 x (1800 + 64) = 3728 fits the 4096-byte row: no cost.
+        (900, 4096, False),
+    ],
+)
+def test_the_seals_capacity_cost_is_stated_when_above_one_percent(
+    tv: Any, caplog: pytest.LogCaptureFixture, worker_bytes: int, sealed_row: int, logged: bool
+) -> None:
+    config = _config({"verify_chunks": True}, worker_kv_bytes_per_block=worker_bytes)
+    with caplog.at_level("INFO", logger="vllm.triton_offload"):
+        spec = tv.TritonOffloadingSpec(config)
+    assert spec.kv_bytes_per_chunk == sealed_row
+    assert spec.num_chunks == CPU_BYTES // sealed_row
+    stated = [r.getMessage() for r in caplog.records if "chunk seals take" in r.getMessage()]
+    if logged:
+        (message,) = stated
+        assert "50.0% of cpu_bytes_to_use (4 chunks instead of 8)" in message
+        assert "rows of 8192 bytes instead of 4096" in message
+    else:
+        assert stated == []

@@ -212,11 +212,33 @@ class TritonWorkerSide:
         copies = 1 if self.replicated_layout else world
         page = int(self.cpu_page_size_per_worker) + SEAL_BYTES
         alignment = int(self.BLOCK_SIZE_ALIGNMENT)
+        # A row that already has 64 bytes of alignment slack per page keeps its size:
+        # the seals then cost no byte of capacity.
         row = -(-page * copies // alignment) * alignment
+        unsealed_row, unsealed_chunks = int(self.kv_bytes_per_chunk), int(self.num_chunks)
         self.cpu_page_size_per_worker = page
         self.kv_bytes_per_chunk = row
         self.num_chunks = int(self.extra_config["cpu_bytes_to_use"]) // row
         self.cpu_info = CPUOffloadingInfo.from_config(config, self.num_chunks, row)
+        cost = 1 - self.num_chunks / unsealed_chunks if unsealed_chunks else 0.0
+        if cost > 0.01:
+            # Stated once at start-up where it matters: small pages pay most (a 64-byte
+            # seal per worker page, the row rounded up to the region's alignment).
+            logger.info(
+                "triton_offload: chunk seals take %.1f%% of cpu_bytes_to_use (%d chunks "
+                "instead of %d): each %d-byte worker page gains a %d-byte seal, x %d "
+                "page(s) per row, rounded to %d bytes: rows of %d bytes instead of %d; "
+                "verify_chunks=false gives the space back and verifies nothing",
+                100 * cost,
+                self.num_chunks,
+                unsealed_chunks,
+                page - SEAL_BYTES,
+                SEAL_BYTES,
+                copies,
+                alignment,
+                row,
+                unsealed_row,
+            )
 
     def seal_config_digest(self) -> bytes:
         """The configuration digest every page seal of this spec carries."""
