@@ -1,104 +1,565 @@
 """The chunk seal, judged from its format (not from the code that writes it).
 
-The format (README "Verified chunks"): the last 64 bytes of a page are
-``magic(8) config(8) layout(8) key(8) length(u32) crc32(u32) index(u16) count(u16)
-zero(16) seal_crc32(u32)``, little-endian, ``crc32`` = zlib's CRC-32 of the first
-``length`` bytes of the page, ``seal_crc32`` = CRC-32 of the 60 bytes before it.
+Seal format v2: the last 64 bytes of a page, little-endian:
+
+====== ===== ==============================================================
+0      8     magic ``TOSEAL\\x00\\x02`` (name, then the version, big-endian)
+8      8     config digest
+16     8     layout digest
+24     8     key digest (``blake2b(key, digest_size=8)``, zero for no key)
+32     8     payload checksum (u64)
+40     4     payload length (u32): bytes at the start of the page it covers
+44     2     page index (u16); 46 2: page count (u16)
+48     1     algorithm (u8): 1 ``wsum64``, 2 ``xxh3_64``
+49     7     zero
+56     8     header check (u64): ``wsum64`` of bytes 0..55 of the record
+====== ===== ==============================================================
+
+``wsum64``: ``w_j`` the little-endian u32 words of the payload (the last one
+zero-padded), ``h(j) = ((2j + 1) * 0x9E3779B1) mod 2**32``, the checksum is
+``sum_j w_j * h(j) mod 2**64``. ``xxh3_64``: XXH3-64 with seed 0.
+
+Every expected value below is computed here from these rules (struct, xxhash and a
+pure-Python ``wsum64``); the module is only called, never used to build an expectation.
+Format v1 (``TOSEAL\\x00\\x01``, zlib CRC-32) is obsolete: refused, named and counted.
 """
 
 from __future__ import annotations
 
+import hashlib
 import struct
 import zlib
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import xxhash
 
 from triton_offload.transfer.seal import (
     SEAL_BYTES,
+    SEAL_MAGIC,
     PageSealer,
+    Seal,
     SealFormat,
     digest8,
     key_digest,
     layout_description,
+    page_checksum,
+    page_checksums,
+    read_seal,
+    refused_formats,
     seal_problem,
     write_seal,
 )
 
 PAGE = 1024
-FMT = SealFormat(digest8("config"), digest8("layout"), 1, 4)
-KEY = key_digest(b"chunk-key")
+PAYLOAD = 700
+MAGIC_V2 = b"TOSEAL\x00\x02"
+MAGIC_V1 = b"TOSEAL\x00\x01"
+ALGORITHM_IDS = {"wsum64": 1, "xxh3_64": 2}
+CONFIG = b"config\x00\x01"
+LAYOUT = b"layout\x00\x01"
+FMT = SealFormat(CONFIG, LAYOUT, 1, 4)
+KEY = hashlib.blake2b(b"chunk-key", digest_size=8).digest()
+MASK64 = (1 << 64) - 1
 
 
-def page(seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, PAGE, dtype=np.uint8)
+# --- the rules, written out here ------------------------------------------------------
 
 
-def expected_record(payload: bytes, length: int, fmt: SealFormat, key: bytes) -> bytes:
-    fields = (
-        b"TOSEAL\x00\x01"
-        + fmt.config_digest
-        + fmt.layout_digest
+def wsum64(payload: bytes) -> int:
+    """The rule, word by word in Python integers."""
+    padded = payload + bytes(-len(payload) % 4)
+    total = 0
+    for j in range(len(padded) // 4):
+        (word,) = struct.unpack_from("<I", padded, 4 * j)
+        total += word * (((2 * j + 1) * 0x9E3779B1) % 2**32)
+    return total % 2**64
+
+
+def checksum(payload: bytes, algorithm: str) -> int:
+    if algorithm == "wsum64":
+        return wsum64(payload)
+    assert algorithm == "xxh3_64"
+    return xxhash.xxh3_64_intdigest(payload)
+
+
+def v2_record(
+    *,
+    length: int,
+    payload_checksum: int,
+    algorithm_id: int,
+    config: bytes = CONFIG,
+    layout: bytes = LAYOUT,
+    key: bytes = KEY,
+    index: int = 1,
+    count: int = 4,
+    magic: bytes = MAGIC_V2,
+) -> bytes:
+    head = (
+        magic
+        + config
+        + layout
         + key
-        + struct.pack("<IIHH", length, zlib.crc32(payload[:length]), fmt.page_index, fmt.page_count)
+        + struct.pack("<QIHHB", payload_checksum, length, index, count, algorithm_id)
+        + bytes(7)
+    )
+    assert len(head) == 56
+    return head + struct.pack("<Q", wsum64(head))
+
+
+def expected_record(page_bytes: bytes, length: int, algorithm: str, key: bytes = KEY) -> bytes:
+    return v2_record(
+        length=length,
+        payload_checksum=checksum(page_bytes[:length], algorithm),
+        algorithm_id=ALGORITHM_IDS[algorithm],
+        key=key,
+    )
+
+
+def v1_record(payload: bytes, length: int, key: bytes = KEY) -> bytes:
+    fields = (
+        MAGIC_V1
+        + CONFIG
+        + LAYOUT
+        + key
+        + struct.pack("<IIHH", length, zlib.crc32(payload[:length]), 1, 4)
         + bytes(16)
     )
+    assert len(fields) == 60
     return fields + struct.pack("<I", zlib.crc32(fields))
 
 
-def test_the_seal_is_the_documented_record_and_touches_nothing_else() -> None:
+def page(seed: int = 0, size: int = PAGE) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+
+
+def sealed(algorithm: str = "xxh3_64", seed: int = 0) -> np.ndarray:
+    data = page(seed)
+    write_seal(data, PAYLOAD, FMT, KEY, algorithm=algorithm)
+    return data
+
+
+def put_record(data: np.ndarray, record: bytes) -> np.ndarray:
+    data[-SEAL_BYTES:] = np.frombuffer(record, dtype=np.uint8)
+    return data
+
+
+def problem_of(data: np.ndarray, fmt: SealFormat = FMT, key: bytes | None = KEY, **kw) -> str:
+    found = seal_problem(data, fmt, key, **kw)
+    assert found is not None, "the page was accepted"
+    return found
+
+
+# --- 1. the record and the checksums --------------------------------------------------
+
+
+def test_the_rules_constants_and_digests() -> None:
+    assert SEAL_BYTES == 64
+    assert SEAL_MAGIC == MAGIC_V2
+    assert key_digest(b"chunk-key") == KEY
+    assert key_digest(None) == bytes(8)
+    assert digest8(b"config") == hashlib.blake2b(b"config", digest_size=8).digest()
+    # wsum64 of nothing is the empty sum; of one byte, that byte times h(0).
+    assert wsum64(b"") == 0
+    assert wsum64(b"\x07") == 7 * 0x9E3779B1
+
+
+@pytest.mark.parametrize("algorithm", ["wsum64", "xxh3_64"])
+def test_the_seal_is_the_documented_record_and_touches_nothing_else(algorithm: str) -> None:
     data = page()
     before = data.copy()
-    write_seal(data, 700, FMT, KEY)
+    write_seal(data, PAYLOAD, FMT, KEY, algorithm=algorithm)
     assert np.array_equal(data[: PAGE - SEAL_BYTES], before[: PAGE - SEAL_BYTES])
-    assert data[PAGE - SEAL_BYTES :].tobytes() == expected_record(before.tobytes(), 700, FMT, KEY)
+    assert data[PAGE - SEAL_BYTES :].tobytes() == expected_record(
+        before.tobytes(), PAYLOAD, algorithm
+    )
     assert seal_problem(data, FMT, KEY) is None
     assert seal_problem(data, FMT, None) is None  # no key given: the key is not checked
 
+    seal = read_seal(data)
+    assert isinstance(seal, Seal), seal
+    payload = before[:PAYLOAD].tobytes()
+    assert seal == Seal(
+        config_digest=CONFIG,
+        layout_digest=LAYOUT,
+        key_digest=KEY,
+        payload_bytes=PAYLOAD,
+        payload_checksum=checksum(payload, algorithm),
+        algorithm=algorithm,
+        page_index=1,
+        page_count=4,
+    )
+    assert seal.payload_checksum == page_checksum(payload, algorithm)
 
-@pytest.mark.parametrize("offset", [0, 1, 350, 699])
-def test_any_flipped_payload_byte_is_refused(offset: int) -> None:
+
+@pytest.mark.parametrize("algorithm", ["wsum64", "xxh3_64"])
+def test_a_given_checksum_is_written_as_given(algorithm: str) -> None:
     data = page()
-    write_seal(data, 700, FMT, KEY)
+    before = data.copy()
+    write_seal(data, PAYLOAD, FMT, KEY, checksum=0xDEADBEEF_01234567, algorithm=algorithm)
+    assert np.array_equal(data[: PAGE - SEAL_BYTES], before[: PAGE - SEAL_BYTES])
+    assert data[PAGE - SEAL_BYTES :].tobytes() == v2_record(
+        length=PAYLOAD, payload_checksum=0xDEADBEEF_01234567, algorithm_id=ALGORITHM_IDS[algorithm]
+    )
+    # A header that is whole, over a payload that does not match it.
+    assert "payload checksum" in problem_of(data)
+    assert seal_problem(data, FMT, KEY, check_payload=False) is None
+
+
+def test_the_default_algorithm_is_xxh3_and_no_key_is_eight_zero_bytes() -> None:
+    data = page()
+    before = data.copy()
+    write_seal(data, 0, FMT, bytes(8))
+    assert data[PAGE - SEAL_BYTES :].tobytes() == expected_record(
+        before.tobytes(), 0, "xxh3_64", key=bytes(8)
+    )
+    assert seal_problem(data, FMT, None) is None
+    assert seal_problem(data, FMT, key_digest(None)) is None
+    assert page_checksum(b"abcde") == xxhash.xxh3_64_intdigest(b"abcde")
+
+
+@pytest.mark.parametrize("length", [0, 1, 3, 5, 4095, 70001])
+def test_page_checksum_is_the_rule(length: int) -> None:
+    payload = page(length, length).tobytes()
+    array = np.frombuffer(payload, dtype=np.uint8)
+    for algorithm in ("wsum64", "xxh3_64"):
+        expected = checksum(payload, algorithm)
+        assert page_checksum(payload, algorithm) == expected, algorithm
+        assert page_checksum(array, algorithm=algorithm) == expected, algorithm
+    assert page_checksum(payload) == xxhash.xxh3_64_intdigest(payload)
+
+
+@pytest.mark.parametrize("algorithm", ["wsum64", "xxh3_64"])
+def test_page_checksums_of_a_strided_pool(algorithm: str) -> None:
+    region = page(3, 6 * 2 * 512).reshape(6, 2 * 512)
+    pages = region[:, 512:]  # rows 2 pages apart
+    rows = np.array([5, 0, 3, 3, 1], dtype=np.int64)
+    lengths = np.array([512 - 64, 1, 7, 300, 0], dtype=np.int64)
+    got = page_checksums(pages, rows, lengths, algorithm)
+    assert got.dtype == np.uint64
+    expected = [
+        checksum(pages[r, :n].tobytes(), algorithm) for r, n in zip(rows, lengths, strict=True)
+    ]
+    assert [int(x) for x in got] == expected
+
+
+# --- 2. what wsum64 promises ----------------------------------------------------------
+
+
+def test_wsum64_sees_every_single_bit_flip() -> None:
+    payload = bytearray(page(7, 64).tobytes())
+    base = wsum64(bytes(payload))
+    assert page_checksum(bytes(payload), "wsum64") == base
+    for bit in range(64 * 8):
+        payload[bit // 8] ^= 1 << (bit % 8)
+        assert page_checksum(bytes(payload), "wsum64") != base, bit
+        payload[bit // 8] ^= 1 << (bit % 8)
+
+
+def test_wsum64_sees_every_swap_of_two_different_words() -> None:
+    words = list(struct.unpack("<16I", page(8, 64).tobytes()))
+    assert len(set(words)) == 16
+    base = page_checksum(struct.pack("<16I", *words), "wsum64")
+    for a in range(16):
+        for b in range(a + 1, 16):
+            swapped = list(words)
+            swapped[a], swapped[b] = swapped[b], swapped[a]
+            assert page_checksum(struct.pack("<16I", *swapped), "wsum64") != base, (a, b)
+
+
+@pytest.mark.parametrize("length", [1, 3, 4, 61])
+def test_wsum64_trailing_zero_bytes_add_nothing(length: int) -> None:
+    payload = page(9, length).tobytes()
+    base = wsum64(payload)
+    for extra in (1, 2, 3, 4, 9):
+        assert page_checksum(payload + bytes(extra), "wsum64") == base, extra
+
+
+def test_wsum64_is_linear_over_disjoint_byte_masks() -> None:
+    rng = np.random.default_rng(10)
+    payload = rng.integers(0, 256, 1001, dtype=np.uint8)
+    part = rng.integers(0, 4, payload.size)  # parts 0, 1, 2 kept; 3 zeroed everywhere
+    kept = np.where(part < 3, payload, 0).astype(np.uint8)
+    parts = [np.where(part == p, payload, 0).astype(np.uint8) for p in range(3)]
+    total = sum(page_checksum(p.tobytes(), "wsum64") for p in parts) % 2**64
+    assert total == page_checksum(kept.tobytes(), "wsum64") == wsum64(kept.tobytes())
+
+
+# --- 3. refusals ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("algorithm", ["wsum64", "xxh3_64"])
+@pytest.mark.parametrize("offset", [0, 1, 2, 3, 4, 350, 697, 698, 699])
+def test_any_flipped_payload_byte_is_refused(algorithm: str, offset: int) -> None:
+    data = sealed(algorithm)
     data[offset] ^= 0x01
-    assert "payload checksum" in (seal_problem(data, FMT, KEY) or "")
+    assert "payload checksum" in problem_of(data)
 
 
 def test_bytes_after_the_payload_are_not_covered() -> None:
     """Only what the store wrote is covered: padding between payload and seal may hold
     anything (a group with a shorter row leaves the rest of the page untouched)."""
-    data = page()
-    write_seal(data, 700, FMT, KEY)
-    data[800] ^= 0xFF
-    assert seal_problem(data, FMT, KEY) is None
+    for algorithm in ("wsum64", "xxh3_64"):
+        data = sealed(algorithm)
+        data[PAYLOAD] ^= 0xFF
+        data[PAGE - SEAL_BYTES - 1] ^= 0xFF
+        assert seal_problem(data, FMT, KEY) is None, algorithm
 
 
-@pytest.mark.parametrize("offset", range(0, 60, 7))
-def test_a_damaged_record_is_told_apart(offset: int) -> None:
-    data = page()
-    write_seal(data, 700, FMT, KEY)
+@pytest.mark.parametrize("offset", range(8, SEAL_BYTES))
+def test_a_damaged_header_byte_is_told_apart(offset: int) -> None:
+    data = sealed("wsum64")
     data[PAGE - SEAL_BYTES + offset] ^= 0x10
-    problem = seal_problem(data, FMT, KEY) or ""
-    assert "damaged seal" in problem or "magic" in problem
+    assert "damaged" in problem_of(data)
+    assert "damaged" in problem_of(data, check_payload=False)
+    found = read_seal(data)
+    assert isinstance(found, str) and "damaged" in found
+
+
+@pytest.mark.parametrize("offset", range(8))
+def test_a_damaged_magic_is_no_valid_seal(offset: int) -> None:
+    data = sealed()
+    data[PAGE - SEAL_BYTES + offset] ^= 0x10
+    assert isinstance(read_seal(data), str)
+    problem_of(data)
 
 
 def test_what_else_a_page_can_be() -> None:
-    data = page()
-    write_seal(data, 700, FMT, KEY)
-    assert "another key" in (seal_problem(data, FMT, key_digest(b"other")) or "")
-    other_layout = SealFormat(FMT.config_digest, digest8("fused"), 1, 4)
-    assert "row layout" in (seal_problem(data, other_layout, KEY) or "")
+    data = sealed()
+    assert "another key" in problem_of(data, key=key_digest(b"other"))
+    other_layout = SealFormat(CONFIG, b"fused\x00\x00\x01", 1, 4)
+    assert "row layout" in problem_of(data, other_layout)
     # The scheduler checks a promoted page without the layout digest.
     assert seal_problem(data, other_layout, KEY, check_layout=False) is None
-    other_config = SealFormat(digest8("tp2"), FMT.layout_digest, 1, 4)
-    assert "configuration" in (seal_problem(data, other_config, KEY) or "")
-    other_page = SealFormat(FMT.config_digest, FMT.layout_digest, 2, 4)
-    assert "page 1 of 4" in (seal_problem(data, other_page, KEY) or "")
-    assert "payload of 700" in (seal_problem(data, FMT, KEY, expected_payload=512) or "")
+    other_config = SealFormat(b"tp2\x00\x00\x00\x00\x01", LAYOUT, 1, 4)
+    assert "configuration" in problem_of(data, other_config)
+    assert "configuration" in problem_of(data, other_config, check_layout=False)
+    other_page = SealFormat(CONFIG, LAYOUT, 2, 4)
+    place = problem_of(data, other_page)
+    assert "page 1 of 4" in place and "2 of 4" in place, place
+    assert "payload of 700" in problem_of(data, expected_payload=512)
+    assert seal_problem(data, FMT, KEY, expected_payload=PAYLOAD) is None
+
+
+def test_no_seal_at_all() -> None:
     zeros = np.zeros(PAGE, dtype=np.uint8)
-    assert "no seal" in (seal_problem(zeros, FMT, KEY) or "")
-    assert "no seal" in (seal_problem(page(5), FMT, KEY) or "")  # garbage
+    assert "no seal" in problem_of(zeros)
+    assert "no seal" in problem_of(page(5))  # garbage
+    assert "no seal" in problem_of(zeros, check_payload=False)
+    for data in (zeros, page(5)):
+        found = read_seal(data)
+        assert isinstance(found, str) and "no seal" in found
+
+
+def test_an_unknown_algorithm_with_a_whole_header_is_refused() -> None:
+    data = page()
+    payload = data[:PAYLOAD].tobytes()
+    put_record(data, v2_record(length=PAYLOAD, payload_checksum=wsum64(payload), algorithm_id=7))
+    assert "unknown checksum algorithm" in problem_of(data)
+    found = read_seal(data)
+    assert isinstance(found, str) and "unknown checksum algorithm" in found
+
+
+# --- 4. format v1 ---------------------------------------------------------------------
+
+
+def test_a_v1_seal_is_refused_by_name_and_counted() -> None:
+    data = page()
+    put_record(data, v1_record(data.tobytes(), PAYLOAD))
+    for check_payload in (True, False):
+        before = refused_formats().get(1, 0)
+        problem = problem_of(data, check_payload=check_payload)
+        assert "v1" in problem, problem
+        assert refused_formats().get(1, 0) == before + 1
+    found = read_seal(data)
+    assert isinstance(found, str) and "v1" in found
+    # Once more, with every other check off: still never accepted.
+    assert seal_problem(data, FMT, None, check_layout=False, check_payload=False) is not None
+
+
+def test_a_v1_seal_is_refused_by_the_sealer_and_counted() -> None:
+    pages = page(11, 2 * PAGE).reshape(2, PAGE)
+    sealer = PageSealer(pages, FMT, [PAYLOAD])
+    put_record(pages[1], v1_record(pages[1].tobytes(), PAYLOAD))
+    before = refused_formats().get(1, 0)
+    problems, _ = sealer.header_problems(
+        np.array([1]), np.array([0]), np.frombuffer(KEY, np.uint8)[None, :].copy()
+    )
+    assert "v1" in (problems[0] or "")
+    assert refused_formats().get(1, 0) == before + 1
+
+
+# --- 5. the header-only verdict -------------------------------------------------------
+
+
+def test_check_payload_false_checks_the_header_only() -> None:
+    data = sealed("wsum64")
+    data[3] ^= 0x40
+    assert seal_problem(data, FMT, KEY, check_payload=False) is None
+    assert "payload checksum" in problem_of(data)
+    assert "another key" in problem_of(data, key=key_digest(b"other"), check_payload=False)
+    other_config = SealFormat(b"tp2\x00\x00\x00\x00\x01", LAYOUT, 1, 4)
+    assert "configuration" in problem_of(data, other_config, check_payload=False)
+
+
+# --- 6. the sealer over a strided pool ------------------------------------------------
+
+GROUP_PAYLOAD = [300, 900]
+ROWS = 8
+
+
+def strided_pool(seed: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    region = page(seed, ROWS * 2 * PAGE).reshape(ROWS, 2 * PAGE)
+    return region, region[:, PAGE:]  # the second worker's pages: rows 2 pages apart
+
+
+def key_rows(keys: list[bytes]) -> np.ndarray:
+    return np.frombuffer(b"".join(keys), dtype=np.uint8).reshape(len(keys), 8).copy()
+
+
+def test_the_sealer_seals_one_row_of_a_strided_pool() -> None:
+    region, pages = strided_pool()
+    before = region.copy()
+    sealer = PageSealer(pages, FMT, GROUP_PAYLOAD)
+    sealer.seal(2, 1, KEY)
+    changed = np.argwhere(region != before)
+    assert {int(r) for r, _ in changed} == {2}
+    assert all(int(c) >= 2 * PAGE - SEAL_BYTES for _, c in changed)
+    assert region[2, -SEAL_BYTES:].tobytes() == expected_record(
+        before[2, PAGE:].tobytes(), 900, "xxh3_64"
+    )
+    assert sealer.problem(2, 1, KEY) is None
+    assert "payload of 900" in (sealer.problem(2, 0, KEY) or "")
+    assert "no seal" in (sealer.problem(0, 0, KEY) or "")
+    sealer.seal(3, 0, KEY, algorithm="wsum64")
+    assert region[3, -SEAL_BYTES:].tobytes() == expected_record(
+        before[3, PAGE:].tobytes(), 300, "wsum64"
+    )
+
+
+@pytest.mark.parametrize("algorithm", ["wsum64", "xxh3_64"])
+def test_seal_pages_writes_only_the_named_seals(algorithm: str) -> None:
+    region, pages = strided_pool()
+    before = region.copy()
+    sealer = PageSealer(pages, FMT, GROUP_PAYLOAD)
+    chunks = np.array([6, 1, 4], dtype=np.int64)
+    groups = np.array([0, 1, 1], dtype=np.int64)
+    keys = [key_digest(b"a"), key_digest(b"b"), bytes(8)]
+    sums = np.array(
+        [
+            checksum(pages[c, : GROUP_PAYLOAD[g]].tobytes(), algorithm)
+            for c, g in zip(chunks, groups, strict=True)
+        ],
+        dtype=np.uint64,
+    )
+    sealer.seal_pages(chunks, groups, key_rows(keys), sums, algorithm)
+
+    expected = before.copy()
+    for c, g, k in zip(chunks, groups, keys, strict=True):
+        expected[c, -SEAL_BYTES:] = np.frombuffer(
+            expected_record(before[c, PAGE:].tobytes(), GROUP_PAYLOAD[g], algorithm, key=k),
+            dtype=np.uint8,
+        )
+    assert np.array_equal(region, expected)
+    for c, g, k in zip(chunks, groups, keys, strict=True):
+        assert seal_problem(pages[c], FMT, k, expected_payload=GROUP_PAYLOAD[g]) is None
+
+
+def mixed_pool(algorithm: str):
+    """Rows sealed by ``algorithm``, then spoiled in as many ways as a load can meet."""
+    _, pages = strided_pool(4)
+    sealer = PageSealer(pages, FMT, GROUP_PAYLOAD)
+    keys = [key_digest(f"chunk-{c}".encode()) for c in range(ROWS)]
+    groups = np.array([c % 2 for c in range(ROWS)], dtype=np.int64)
+    all_rows = np.arange(ROWS, dtype=np.int64)
+    sums = np.array(
+        [checksum(pages[c, : GROUP_PAYLOAD[g]].tobytes(), algorithm) for c, g in enumerate(groups)],
+        dtype=np.uint64,
+    )
+    sealer.seal_pages(all_rows, groups, key_rows(keys), sums, algorithm)
+    # row 0 good, 1 good
+    pages[2, 17] ^= 0x02  # flipped payload byte
+    keys[3] = key_digest(b"another")  # the load asks for another key
+    pages[4, -20] ^= 0x01  # damaged header
+    pages[5, -SEAL_BYTES:] = 0  # no seal
+    groups = groups.copy()
+    groups[6] = 1  # the load expects another group's row length
+    pages[7, GROUP_PAYLOAD[1] - 1] ^= 0x80  # last payload byte of a 900-byte row
+    expect = [None, None, "payload checksum", "another key", "damaged", "no seal", "payload of"]
+    expect.append("payload checksum")
+    return sealer, pages, all_rows, groups, keys, expect
+
+
+def host_verdicts(pages, rows, groups, keys) -> list[str | None]:
+    return [
+        seal_problem(pages[c], FMT, keys[c], expected_payload=GROUP_PAYLOAD[g])
+        for c, g in zip(rows, groups, strict=True)
+    ]
+
+
+def assert_verdicts(found: list[str | None], expect: list[str | None]) -> None:
+    assert len(found) == len(expect)
+    for i, (f, e) in enumerate(zip(found, expect, strict=True)):
+        if e is None:
+            assert f is None, (i, f)
+        else:
+            assert f is not None and e in f, (i, f, e)
+
+
+@pytest.mark.parametrize("algorithm", ["wsum64", "xxh3_64"])
+def test_batched_verdicts_agree_with_each_page_s(algorithm: str) -> None:
+    sealer, pages, rows, groups, keys, expect = mixed_pool(algorithm)
+    single = host_verdicts(pages, rows, groups, keys)
+    assert_verdicts(single, expect)
+
+    headers, records = sealer.header_problems(rows, groups, key_rows(keys))
+    header_expect = [None if e == "payload checksum" else e for e in expect]
+    assert_verdicts(list(headers), header_expect)
+
+    # The copy computed the checksums of what it moved, by the seal's algorithm.
+    sums = np.array(
+        [
+            checksum(pages[c, : GROUP_PAYLOAD[g]].tobytes(), algorithm)
+            for c, g in zip(rows, groups, strict=True)
+        ],
+        dtype=np.uint64,
+    )
+    host_before = sealer.host_checked_pages
+    found = sealer.payload_problems(rows, records, list(headers), sums, algorithm)
+    assert_verdicts(list(found), expect)
+    assert sealer.host_checked_pages == host_before  # nothing checked on the host
+    for i, (f, s) in enumerate(zip(found, single, strict=True)):
+        assert (f is None) == (s is None), (i, f, s)
+
+
+@pytest.mark.parametrize("algorithm", ["wsum64", "xxh3_64"])
+def test_checksums_of_another_algorithm_are_checked_on_the_host(algorithm: str) -> None:
+    sealer, pages, rows, groups, keys, expect = mixed_pool(algorithm)
+    other = "xxh3_64" if algorithm == "wsum64" else "wsum64"
+    headers, records = sealer.header_problems(rows, groups, key_rows(keys))
+    whole_headers = sum(1 for h in headers if h is None)
+    sums = np.array(
+        [
+            checksum(pages[c, : GROUP_PAYLOAD[g]].tobytes(), other)
+            for c, g in zip(rows, groups, strict=True)
+        ],
+        dtype=np.uint64,
+    )
+    host_before = sealer.host_checked_pages
+    found = sealer.payload_problems(rows, records, list(headers), sums, other)
+    assert_verdicts(list(found), expect)
+    assert sealer.host_checked_pages == host_before + whole_headers
+
+
+def test_header_problems_without_keys_skip_the_key() -> None:
+    sealer, _, rows, groups, _, _ = mixed_pool("wsum64")
+    headers, _ = sealer.header_problems(rows, groups, None)
+    assert headers[3] is None  # the key is not checked
+    assert "damaged" in (headers[4] or "")
+
+
+# --- 7. bad arguments -----------------------------------------------------------------
 
 
 def test_bad_arguments_name_themselves() -> None:
@@ -106,28 +567,18 @@ def test_bad_arguments_name_themselves() -> None:
         write_seal(page(), PAGE - SEAL_BYTES + 1, FMT, KEY)
     with pytest.raises(TypeError, match="1-D uint8"):
         write_seal(np.zeros(PAGE, dtype=np.int8), 10, FMT, KEY)
+    with pytest.raises(TypeError, match="1-D uint8"):
+        write_seal(np.zeros((2, PAGE), dtype=np.uint8), 10, FMT, KEY)
+    with pytest.raises(ValueError, match="crc32"):
+        write_seal(page(), 10, FMT, KEY, algorithm="crc32")
+    with pytest.raises(ValueError, match="crc32"):
+        page_checksum(b"abc", "crc32")
     with pytest.raises(ValueError, match="page 4 of 4"):
-        SealFormat(FMT.config_digest, FMT.layout_digest, 4, 4)
+        SealFormat(CONFIG, LAYOUT, 4, 4)
     with pytest.raises(ValueError, match="config_digest must be 8 bytes"):
-        SealFormat(b"short", FMT.layout_digest, 0, 1)
+        SealFormat(b"short", LAYOUT, 0, 1)
     with pytest.raises(ValueError, match="group 1's 1000-byte row"):
         PageSealer(np.zeros((2, PAGE), dtype=np.uint8), FMT, [10, 1000])
-
-
-def test_the_sealer_seals_rows_of_a_strided_pool() -> None:
-    region = np.random.default_rng(1).integers(0, 256, (3, 2 * PAGE), dtype=np.uint8)
-    pages = region[:, PAGE:]  # the second worker's pages: rows 2 pages apart
-    before = region.copy()
-    sealer = PageSealer(pages, FMT, [300, 900])
-    sealer.seal(2, 1, KEY)
-    changed = np.argwhere(region != before)
-    assert {int(r) for r, _ in changed} == {2}
-    assert all(int(c) >= 2 * PAGE - SEAL_BYTES for _, c in changed)
-    assert sealer.problem(2, 1, KEY) is None
-    assert "payload of 900" in (sealer.problem(2, 0, KEY) or "")
-    assert "no seal" in (sealer.problem(0, 0, KEY) or "") or "magic" in (
-        sealer.problem(0, 0, KEY) or ""
-    )
 
 
 def test_split_and_fused_planes_of_the_same_bytes_have_different_layouts() -> None:
