@@ -6,7 +6,7 @@ Seal format v2: the last 64 bytes of a page, little-endian:
 0      8     magic ``TOSEAL\\x00\\x02`` (name, then the version, big-endian)
 8      8     config digest
 16     8     layout digest
-24     8     key digest (``blake2b(key, digest_size=8)``, zero for no key)
+24     8     key digest (XXH3-64 of the key, seed 0, 8 big-endian bytes; zero for no key)
 32     8     payload checksum (u64)
 40     4     payload length (u32): bytes at the start of the page it covers
 44     2     page index (u16); 46 2: page count (u16)
@@ -60,7 +60,7 @@ ALGORITHM_IDS = {"wsum64": 1, "xxh3_64": 2}
 CONFIG = b"config\x00\x01"
 LAYOUT = b"layout\x00\x01"
 FMT = SealFormat(CONFIG, LAYOUT, 1, 4)
-KEY = hashlib.blake2b(b"chunk-key", digest_size=8).digest()
+KEY = xxhash.xxh3_64(b"chunk-key").digest()
 MASK64 = (1 << 64) - 1
 
 

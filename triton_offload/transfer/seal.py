@@ -14,7 +14,7 @@ offset bytes field
              dtype, page and chunk geometry, parallel sizes)
 16     8     layout digest: the worker's row layout (plane offsets and page bytes per
              group, row layout version); only a worker can compute it
-24     8     key digest: the chunk's offload key (zero when stored without one)
+24     8     key digest: XXH3-64 of the chunk's offload key (zero when stored without one)
 32     8     payload checksum (u64): :func:`page_checksum` of the payload, by the
              algorithm at offset 48
 40     4     payload length: bytes of the page the checksum covers (the group's row)
@@ -116,8 +116,16 @@ def digest8(data: bytes | str) -> bytes:
 
 
 def key_digest(key: bytes | None) -> bytes:
-    """The seal's digest of an offload key (:data:`NO_KEY` for None)."""
-    return NO_KEY if key is None else digest8(bytes(key))
+    """The seal's digest of an offload key: its XXH3-64 (seed 0) as 8 big-endian bytes,
+    :data:`NO_KEY` for None. Computed once per chunk of every verified job: XXH3 costs a
+    quarter of BLAKE2b's ~0.6 us per key (16% of an 8 KiB-page load's time, profiled)."""
+    return NO_KEY if key is None else xxhash.xxh3_64_digest(key)
+
+
+def key_digests(keys: Sequence[bytes]) -> np.ndarray:
+    """``[len(keys), 8]`` uint8: :func:`key_digest` of each key, in one pass."""
+    joined = b"".join(map(xxhash.xxh3_64_digest, keys))
+    return np.frombuffer(joined, dtype=np.uint8).reshape(len(keys), 8)
 
 
 # ------------------------------------------------------------------------- checksums
@@ -208,10 +216,22 @@ def page_checksums(
     out = np.zeros(rows.size, dtype=np.uint64)
     if algorithm == "xxh3_64":
         digest = xxhash.xxh3_64_intdigest
-        out[:] = [
-            digest(pages[row, :length])
-            for row, length in zip(rows.tolist(), lengths.tolist(), strict=True)
-        ]
+        if rows.size and pages.ndim == 2 and (pages.shape[1] <= 1 or pages.strides[1] == 1):
+            # One flat view of the rows' span: slicing a memoryview costs a fraction of
+            # a numpy row view, which matters at 8 KiB pages (one call per page).
+            stride = int(pages.strides[0]) if pages.shape[0] > 1 else int(pages.shape[1])
+            span = (pages.shape[0] - 1) * stride + pages.shape[1]
+            flat = memoryview(np.lib.stride_tricks.as_strided(pages, (span,), (1,)))
+            starts = (rows * stride).tolist()
+            out[:] = [
+                digest(flat[start : start + length])
+                for start, length in zip(starts, lengths.tolist(), strict=True)
+            ]
+        else:
+            out[:] = [
+                digest(pages[row, :length])
+                for row, length in zip(rows.tolist(), lengths.tolist(), strict=True)
+            ]
         return out
     if algorithm != "wsum64":
         raise ValueError(f"unknown checksum algorithm {algorithm!r}; known: {sorted(ALGORITHMS)}")
@@ -628,6 +648,7 @@ __all__ = [
     "digest8",
     "header_problems",
     "key_digest",
+    "key_digests",
     "layout_description",
     "page_checksum",
     "page_checksums",

@@ -18,7 +18,7 @@ import numpy as np
 
 from triton_offload.transfer.jobs import TO_POOL, JobSpec
 from triton_offload.transfer.pointers import GroupPlanes, blocks_from_pointers
-from triton_offload.transfer.seal import PageSealer, key_digest
+from triton_offload.transfer.seal import PageSealer, key_digests
 from triton_offload.vllm.compat import VLLM_0_34, logger, supported_vllm_api, vllm_release
 from triton_offload.vllm.convert import split_job
 from triton_offload.vllm.integrity import spec_keys
@@ -78,11 +78,7 @@ class JobChunks:
         starts = np.repeat(np.cumsum([0, *sizes[:-1]]), sizes) if sizes else np.zeros(0)
         indices = np.arange(groups.size, dtype=np.int64) - starts.astype(np.int64)
         chunks = np.concatenate([np.zeros(0, np.int64), *job.host_blocks]).astype(np.int64)
-        digests = None
-        if keys is not None:
-            keys = tuple(bytes(key) for key in keys)
-            digests = np.frombuffer(b"".join(map(key_digest, keys)), dtype=np.uint8)
-            digests = digests.reshape(-1, 8)
+        digests = None if keys is None else key_digests(keys)
         return cls(groups, indices, chunks, keys, digests)
 
     def checksums_of(self, checksums: Any) -> np.ndarray:
