@@ -6,15 +6,15 @@
 #   setup       nvidia-smi, install (no network) or the import shim, versions      45 s
 #   gpu-tests   every CUDA test file that runs without vLLM, each in its own
 #               process under `timeout` (a hung CUDA synchronize cannot hold the
-#               step), pytest-timeout per test where installed                     115 s
+#               step), pytest-timeout per test where installed                     130 s
 #   facts       `triton-offload info --calibrate`, the kernel's registers and
 #               spills on this device (per tile size), the environment              35 s
 #   presets     one full-size preset (default llama3.1-8b-tp4, then mamba-hybrid
 #               if time is left), store and load: the project's paths beside
 #               batched DMA and vLLM's kernel where importable, and the ceiling     70 s
 #   grid-sweep  num_programs x tile size on the hybrid presets (each point
-#               written as it is measured)                                          50 s
-#   sweep       page size x pages per job (sweep only)                              35 s
+#               written as it is measured)                                          40 s
+#   sweep       page size x pages per job (sweep only)                              30 s
 #   summary     results, archive                                                    10 s
 #
 # Usage: bench/gpu_check.sh OUTPUT_DIR [--dry-run | --plan]
@@ -70,7 +70,7 @@ dry_run=0
 # rerun, so the run gets 360 s. Setup's own timeouts (nvidia-smi 2 x 5, pip 15, import
 # check 8, versions 10) stay within its cap.
 gpu_steps=(setup gpu-tests facts presets grid-sweep sweep summary)
-gpu_caps=(45 115 35 70 50 35 10)
+gpu_caps=(45 130 35 70 40 30 10)
 gpu_budget_default=360
 # A CPU-only dry run: the same order, sized for an interpreter on 2 cores.
 dry_caps=(30 70 30 55 40 25 10)
@@ -256,7 +256,7 @@ cuda_test_files=(
   "tests/test_kernel_specialization.py 25 20"
   "tests/test_bench_cuda.py 40 0"
   "bench/suites/bench_kernel_tables.py 20 15"
-  "bench/suites/bench_seal.py 25 20"
+  "bench/suites/bench_seal.py 40 30"
 )
 if [ -n "${GPU_CHECK_TEST_FILES:-}" ]; then
   # Entries "FILE CAP PER_TEST" separated by ';' (tests/test_gpu_check.py hangs one).
@@ -431,6 +431,11 @@ bench sweep --sweep-only "${sweep_args[@]}"
     echo "gpu-tests:"
     grep -E '^=+ .*(passed|failed|error|skipped|no tests ran).* =+$' "$f" | sed 's/^/  /'
     grep -E '^(FAILED|ERROR) |Timeout' "$f" | head -20 | sed 's/^/  /'
+    # bench_seal.py's rows: verified vs unverified speed and host CPU s per verified GB.
+    if grep -qE '^engine cuda .* ratio' "$f"; then
+      echo "verification (bench/suites/bench_seal.py, verified / unverified speed):"
+      grep -E '^engine cuda .* ratio' "$f" | sed 's/^/  /'
+    fi
   fi
   for name in presets sweep; do
     f="$work/$name.log"
