@@ -448,3 +448,51 @@ def test_engine_warms_the_kernel_and_odd_jobs_do_not_recompile() -> None:
     assert all(r.success for r in drain(engine, 5))
     assert _compiled_variants() == compiled  # odd and even pair counts: one variant
     engine.shutdown()
+
+
+@pytest.mark.parametrize("backend", ["triton", "dma", "auto"])
+def test_page_checksums_are_computed_on_the_device(backend: str) -> None:
+    """On every CUDA path a checksummed job's page sums equal ``page_checksum`` of each
+    row's payload (wsum64), for a store with partial first chunks and for the load of
+    the same rows (the slots a job does not move are summed from the pool side), and
+    the copy stays byte-exact."""
+    from triton_offload.transfer.seal import page_checksum
+
+    caches, _ = hybrid_caches()
+    kwargs = {"crossover": 32 << 10} if backend == "auto" else {}
+    engine = TransferEngine(
+        plan(), caches, HOST_BLOCKS, backend=backend, page_checksums=True, **kwargs
+    )
+    assert engine.checksum_algorithm == "wsum64"
+    # Random bytes everywhere: the slots a job does not move and the bytes between
+    # the planes' slots (stale bytes of a row another group used) are summed too.
+    engine.pool.copy_(torch.randint(0, 256, engine.pool.shape, dtype=torch.uint8))
+    gpu, host, first = STORE
+
+    def expected_sums(rows: Any) -> list[int]:
+        pool = engine.pool.numpy()
+        sums = []
+        for row in rows.tolist():
+            group = next(g for g, chunks in enumerate(host) if row in chunks)
+            sums.append(page_checksum(pool[row, : engine.layout.group_row_bytes[group]], "wsum64"))
+        return sums
+
+    assert engine.submit_store(
+        "s", gpu_blocks=gpu, host_blocks=host, first_block_index=first, checksum=True
+    )
+    engine.wait(["s"])
+    (stored,) = drain(engine, 1)
+    assert stored.success and stored.checksums is not None
+    assert stored.checksums.algorithm == "wsum64"
+    assert sorted(stored.checksums.rows.tolist()) == sorted(r for rows in host for r in rows)
+    assert stored.checksums.values.tolist() == expected_sums(stored.checksums.rows)
+    pool_after_store = engine.pool.clone()
+    assert engine.submit_load(
+        "l", gpu_blocks=LOAD_TARGETS, host_blocks=host, first_block_index=first, checksum=True
+    )
+    engine.wait(["l"])
+    (loaded,) = drain(engine, 1)
+    assert loaded.success and loaded.checksums is not None
+    assert loaded.checksums.values.tolist() == stored.checksums.values.tolist()
+    assert torch.equal(engine.pool, pool_after_store)  # a load's passes write no pool byte
+    engine.shutdown()

@@ -4,9 +4,11 @@ A *page* is one pool row: one chunk of one group. A job moves some slots of each
 it names; the checksum covers the whole page's payload (the group's row bytes), so the
 slots the job does not move are summed too, from the pool side, by a read-only pass
 over exactly those slots (a partial first chunk, a load of the window part of a
-sliding-window chunk). A page's alignment gaps are never written and stay zero, and
-zero bytes add nothing to ``wsum64``: the kernel's sums over slots equal
-``page_checksum`` of the payload.
+sliding-window chunk), and so are the bytes between the planes' slots (alignment
+padding; a row reused by another group keeps that group's bytes there), by a read-only
+pass over those ranges (:func:`gap_ranges`; none for pages that are multiples of 16
+bytes). ``wsum64`` is a sum over byte positions, so the passes' sums add up to
+``page_checksum`` of the payload exactly.
 
 On CUDA (and under the Triton interpreter) the sums are ``wsum64``, computed by the
 copy kernel in the same pass as the copy, or by a device pass over the GPU blocks
@@ -49,6 +51,10 @@ class JobPages:
     pair_pages: np.ndarray
     rest: PairTable
     rest_pages: np.ndarray
+    #: One pair ``(0, row, 0)`` per page, ordered by group, for the pass over the bytes
+    #: of each row between its planes' slots (``gap_tables``), and their pages.
+    whole: PairTable
+    whole_pages: np.ndarray
 
 
 def job_pages(layout: CacheLayout, table: PairTable) -> JobPages:
@@ -73,12 +79,39 @@ def job_pages(layout: CacheLayout, table: PairTable) -> JobPages:
     )
     rest_offsets = np.zeros(num_groups + 1, dtype=np.int64)
     np.cumsum(np.bincount(page_group[page_index], minlength=num_groups), out=rest_offsets[1:])
+    by_group = np.argsort(page_group, kind="stable")
+    whole_pairs = np.zeros((rows.size, 3), dtype=np.int64)
+    whole_pairs[:, 1] = rows[by_group]
+    whole_offsets = np.zeros(num_groups + 1, dtype=np.int64)
+    np.cumsum(np.bincount(page_group, minlength=num_groups), out=whole_offsets[1:])
     return JobPages(
         rows.astype(np.int64),
         pair_pages,
         PairTable(np.ascontiguousarray(rest_pairs), rest_offsets),
         page_index.astype(np.int64),
+        PairTable(whole_pairs, whole_offsets),
+        by_group.astype(np.int64),
     )
+
+
+def gap_ranges(layout: CacheLayout) -> list[list[tuple[int, int]]]:
+    """Per group, the ``(offset, length)`` ranges of its row payload (the first
+    ``group_row_bytes[g]`` bytes) that no plane's slot covers: alignment padding between
+    planes and slots. No job writes them, but a row reused by another group keeps that
+    group's bytes there, and the seal's checksum covers the whole payload."""
+    gaps: list[list[tuple[int, int]]] = []
+    bpc = layout.blocks_per_chunk
+    for group in range(layout.num_groups):
+        covered = np.zeros(layout.group_row_bytes[group], dtype=bool)
+        for index in layout.group_planes[group]:
+            plane = layout.planes[index]
+            for slot in range(bpc):
+                start = plane.pool_offset + slot * plane.pool_slot_stride
+                covered[start : start + plane.page_bytes] = True
+        edges = np.flatnonzero(np.diff(np.concatenate([[True], covered, [True]]).astype(np.int8)))
+        starts, ends = edges[0::2], edges[1::2]
+        gaps.append([(int(a), int(b - a)) for a, b in zip(starts, ends, strict=True)])
+    return gaps
 
 
 def page_groups(table: PairTable, rows: np.ndarray) -> np.ndarray:
@@ -101,4 +134,11 @@ def host_checksums(
     return PageChecksums(rows, page_checksums(pool, rows, lengths, algorithm), algorithm)
 
 
-__all__ = ["JobPages", "PageChecksums", "host_checksums", "job_pages", "page_groups"]
+__all__ = [
+    "JobPages",
+    "PageChecksums",
+    "gap_ranges",
+    "host_checksums",
+    "job_pages",
+    "page_groups",
+]

@@ -37,6 +37,7 @@ import torch
 
 from triton_offload.transfer import cpu_copy
 from triton_offload.transfer.batch_copy import BatchCopy
+from triton_offload.transfer.checksums import gap_ranges
 from triton_offload.transfer.jobs import PairTable, validate_pairs, writer_parts
 from triton_offload.transfer.layout import CacheLayout, check_int, check_pool_placement
 
@@ -310,6 +311,36 @@ def kernel_tables(
     )
 
 
+def gap_tables(
+    layout: CacheLayout, row_stride: int, tile_bytes: int, device: torch.device
+) -> KernelTables | None:
+    """Tables whose tiles are the bytes of each group's row payload between its planes'
+    slots (``checksums.gap_ranges``), cut at ``tile_bytes``: a read-only launch over
+    them with one pair ``(0, row, 0)`` per page sums those bytes from the pool side (the
+    block columns are zero: no cache byte is read). None when no group has such bytes."""
+    check_tile_bytes(tile_bytes)
+    tiles: list[tuple[int, int, int, int, int]] = []
+    group_rows: list[tuple[int, int]] = []
+    for ranges in gap_ranges(layout):
+        first = len(tiles)
+        for offset, length in ranges:
+            for start in range(0, length, tile_bytes):
+                tiles.append((0, 0, offset + start, 0, min(tile_bytes, length - start)))
+        group_rows.append((len(tiles) - first, first))
+    if not tiles:
+        return None
+    return KernelTables(
+        tile_table=torch.tensor(tiles, dtype=torch.int64).reshape(-1, 5).to(device),
+        group_table=torch.tensor(group_rows, dtype=torch.int64).reshape(-1, 2).to(device),
+        num_groups=layout.num_groups,
+        pool_row_bytes=row_stride,
+        mean_tile_bytes=sum(t[4] for t in tiles) // len(tiles),
+        device=device,
+        planes=(),
+        tile_bytes=tile_bytes,
+    )
+
+
 def check_tile_bytes(tile_bytes: object) -> int:
     """``tile_bytes`` as an int, or ValueError/TypeError naming it (see kernel_tables)."""
     value = check_int("tile_bytes", tile_bytes, 1)
@@ -443,6 +474,8 @@ class TritonCopier(Copier):
         # At construction: a plain upload (the engine synchronizes before the first job).
         self.tables = self._tables(None)
         self._subsets: dict[tuple[int, ...], KernelTables] = {}
+        self._gap_tables: KernelTables | None = None
+        self._gap_tables_built = False
         # Per subset uploaded on a transfer stream (CUDA): the event recorded after its
         # upload, and the handles of the streams already ordered after it.
         self._uploads: dict[tuple[int, ...], tuple[Any, set[int]]] = {}
@@ -506,6 +539,26 @@ class TritonCopier(Copier):
             device=self.device,
         )
 
+    def gap_tables(self) -> KernelTables | None:
+        """This layout's :func:`gap_tables` (built and uploaded on first use: call it
+        before jobs run, as the engine does at start-up)."""
+        if not self._gap_tables_built:
+            self._gap_tables = gap_tables(
+                self.layout, self.row_stride, self.tile_bytes, self.device
+            )
+            self._gap_tables_built = True
+        return self._gap_tables
+
+    def prepare_gaps(
+        self, table: PairTable, holds: JobHolds, stream: Any, sums: PageSums
+    ) -> Callable[[], None] | None:
+        """The read-only launch that adds the bytes between each page's slots to
+        ``sums`` (``table``: one ``(0, row, 0)`` pair per page); None without such bytes."""
+        tables = self.gap_tables()
+        if tables is None:
+            return None
+        return self._prepare_part(table, 1, None, holds, stream, sums, tables)
+
     def warm_up(self, *, checksum: bool = False) -> None:
         """Compile the kernel before the first job (a launch that moves no byte); with
         ``checksum`` its checksumming variants too.
@@ -559,9 +612,12 @@ class TritonCopier(Copier):
         holds: JobHolds,
         stream: Any,
         sums: PageSums | None = None,
+        tables: KernelTables | None = None,
     ) -> Callable[[], None]:
-        """One launch: ``table`` over ``planes`` (one writer class of a store)."""
-        tables = self.tables_for(planes, stream)
+        """One launch: ``table`` over ``planes`` (one writer class of a store), or over
+        the given ``tables``."""
+        if tables is None:
+            tables = self.tables_for(planes, stream)
         pairs, offsets = table
         n = pairs.shape[0]
         if self.cuda:

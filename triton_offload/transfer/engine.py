@@ -448,9 +448,11 @@ class TransferEngine:
             # On the current stream, after the table uploads it reads.
             with torch.cuda.device(self.device):
                 triton.warm_up()
-        if self.cuda and self._summer is not None:
-            with torch.cuda.device(self.device):
-                self._summer.warm_up(checksum=True)
+        if self._summer is not None:
+            with torch.cuda.device(self.device) if self.cuda else contextlib.nullcontext():
+                self._summer.gap_tables()  # uploaded now, before any job's stream reads it
+                if self.cuda:
+                    self._summer.warm_up(checksum=True)
         self.crossover: Crossover | None = None
         self.policy: PathPolicy
         if backend == "auto":
@@ -647,6 +649,10 @@ class TransferEngine:
         if pages.rest.pairs.shape[0]:
             pool_side = PageSums(page_sums, pages.rest_pages, write=False)
             runs.append(summer.prepare(pages.rest, FROM_POOL, None, holds, stream, sums=pool_side))
+        between = PageSums(page_sums, pages.whole_pages, write=False)
+        gaps = summer.prepare_gaps(pages.whole, holds, stream, between)
+        if gaps is not None:
+            runs.append(gaps)
         job.checksum_rows = pages.rows
         if self.cuda:
             host = torch.empty(pages.rows.size, dtype=torch.int64, pin_memory=True)
