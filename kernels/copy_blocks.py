@@ -30,6 +30,17 @@ The pool is reached through ``pool_address``, the *device-visible* address of po
 (for pinned host memory: ``tensor.data_ptr()`` of the pinned tensor under unified
 addressing, or the pointer from ``cudaHostGetDevicePointer``); the kernel never assumes a
 host address is usable on the device.
+
+Page checksums (optional, ``launch_copy(page_sums=..., pair_pages=...)``): a *page* is
+one pool row, and its checksum ``wsum64`` is the sum over its little-endian 32-bit words
+``w_j`` (bytes ``4j..4j+3`` of the row) of ``w_j * h(j)`` mod 2**64, with
+``h(j) = ((2j + 1) * 0x9E3779B1) mod 2**32``; byte by byte, the byte of value ``b`` at
+row offset ``o`` adds ``b * 2**(8 * (o % 4)) * h(o // 4)``. The sum is linear and
+order-free, so every item adds the contribution of the bytes it moves with one atomic
+add, in any order, and bytes no item moves count as zero. The kernel computes it on the
+bytes it already holds in registers for the copy (no extra PCIe or HBM traffic), and a
+``write=False`` launch computes it without storing anything (a checksum of either side
+alone: the GPU blocks beside a DMA copy, or pool slots a job does not move).
 """
 
 from __future__ import annotations
@@ -47,6 +58,7 @@ __all__ = [
     "NUM_WARPS",
     "TILE_BYTES",
     "TILE_COLUMNS",
+    "WSUM_MULTIPLIER",
     "CopyTables",
     "default_num_programs",
     "grid_size",
@@ -67,13 +79,24 @@ NARROW_BYTES = 1024
 NUM_WARPS = 4
 
 
-def _launch_options(tile_bytes: int) -> dict[str, int]:
+def _launch_options(
+    tile_bytes: int, *, checksum: bool = False, write: bool = True
+) -> dict[str, int | bool]:
     """Options of a launch whose tables were cut at ``tile_bytes``: shared by launch_copy
     and warm_up, so that the kernel warm_up compiles is the one jobs run. The tile size
     travels with the tables (``CopyTables.tile_bytes``): a kernel compiled for 8 KiB
     lanes copies only the first 8 KiB of a 16 KiB item (the grid sweep's check once found
-    32,628 of 205,280 pool bytes wrong that way at 16 KiB tiles)."""
-    return {"TILE_BYTES": tile_bytes, "NARROW_BYTES": NARROW_BYTES, "num_warps": NUM_WARPS}
+    32,628 of 205,280 pool bytes wrong that way at 16 KiB tiles). ``checksum``/``write``
+    pick the kernel's CHECKSUM/WRITE variant; a plain copy passes neither, so it binds
+    exactly as the kernel did before they existed."""
+    options: dict[str, int | bool] = {
+        "TILE_BYTES": tile_bytes,
+        "NARROW_BYTES": NARROW_BYTES,
+        "num_warps": NUM_WARPS,
+    }
+    if checksum or not write:
+        options.update(CHECKSUM=checksum, WRITE=write)
+    return options
 
 
 # Bytes that must be in flight to keep PCIe Gen5 x16 busy: ~55 GB/s x ~2 us host-read
@@ -100,6 +123,13 @@ INTERPRETER_NUM_PROGRAMS = 4
 
 #: Columns of a tile-table row (see the kernel's docstring).
 TILE_COLUMNS = 5
+#: Odd multiplier of the page checksum's word weights ``h(j) = (2j + 1) * WSUM_MULTIPLIER
+#: mod 2**32`` (2**32 / golden ratio, Knuth's multiplicative hash). Every weight is odd,
+#: so a change confined to one word (by d, 0 < |d| < 2**32) moves the sum by d * h(j),
+#: never 0 mod 2**64; the weights of a page (under 8 GiB) all differ, so swapping two
+#: different words moves it by (w_i - w_j) * (h_j - h_i), nonzero and below 2**64 in size.
+#: The kernel spells it as a literal (Triton reads only constexpr globals).
+WSUM_MULTIPLIER = 0x9E3779B1
 
 
 class CopyTables(Protocol):
@@ -143,7 +173,42 @@ def _wide_lanes(n_words, LANES: tl.constexpr):
 
 
 @triton.jit
-def _copy_words(src, dst, n_words, WORD: tl.constexpr, LANES: tl.constexpr):
+def _word_sums(data, word_index):
+    """wsum64 contributions (uint64, wrapping) of int32 words ``data`` at page word indices
+    ``word_index`` (uint32, same shape; only ``j mod 2**31`` matters): ``w * h(j)``, one
+    32x32->64-bit product per word."""
+    weight = (word_index * 2 + 1) * 0x9E3779B1  # h(j) (WSUM_MULTIPLIER), wraps mod 2**32
+    return data.to(tl.uint32, bitcast=True).to(tl.uint64) * weight.to(tl.uint64)
+
+
+@triton.jit
+def _lane_sums(data, first_offset, lanes):
+    """wsum64 contribution (uint64 scalar) of int32 lanes ``data`` ``[words, k]``: lane
+    ``lanes[w, i]`` (int32) sits at page offset ``first_offset + 4 * lanes[w, i]`` (int64
+    ``first_offset``, a multiple of 4)."""
+    first_word = (first_offset >> 2).to(tl.uint32)
+    return tl.sum(tl.sum(_word_sums(data, first_word + lanes.to(tl.uint32)), 1), 0)
+
+
+@triton.jit
+def _byte_sums(data, page_offset):
+    """wsum64 contributions of uint8 bytes ``data`` at page offsets ``page_offset``
+    (uint32, same shape; only ``o mod 2**32`` matters): ``b * 2**(8 * (o % 4)) * h(o // 4)``."""
+    shifted = data.to(tl.uint32) << ((page_offset & 3) * 8)
+    return _word_sums(shifted.to(tl.int32, bitcast=True), page_offset >> 2)
+
+
+@triton.jit
+def _copy_words(
+    src,
+    dst,
+    n_words,
+    page_offset,
+    WORD: tl.constexpr,
+    LANES: tl.constexpr,
+    CHECKSUM: tl.constexpr,
+    WRITE: tl.constexpr,
+):
     """Copy ``n_words`` words of ``WORD`` (1, 4 or 8) bytes, ``LANES`` words per step.
 
     ``src``/``dst`` are WORD-aligned int64 addresses. Words of 8 bytes move as 2
@@ -157,7 +222,15 @@ def _copy_words(src, dst, n_words, WORD: tl.constexpr, LANES: tl.constexpr):
     the forward pass's weights and activations out of L1/L2. ``eviction_policy`` is the
     hint both Triton 3.6 and newer accept on loads and stores alike (3.6 rejects ``.cs``
     on loads, and ptxas refuses ``.cg``/``.cs`` combined with an eviction priority).
+
+    With ``CHECKSUM``, returns the wsum64 contribution (uint64 scalar) of the bytes read;
+    ``page_offset`` (int64) is the pool page offset of the first one (a multiple of 4
+    when ``WORD >= 4``). Without ``WRITE`` nothing is stored. Without ``CHECKSUM`` the
+    returned zero is unused and compiled away. Summed loads pass ``other=0`` (masked-off
+    lanes must add nothing); plain ones keep the load they had (Triton zero-fills masked
+    lanes either way, but the plain kernel stays instruction for instruction the same).
     """
+    total = tl.zeros((), dtype=tl.uint64)
     if WORD >= 4:
         words = tl.arange(0, LANES)
         lanes = words[:, None] * (WORD // 4) + tl.arange(0, WORD // 4)[None, :]
@@ -166,8 +239,16 @@ def _copy_words(src, dst, n_words, WORD: tl.constexpr, LANES: tl.constexpr):
             src_ptr = tl.multiple_of((src + start * WORD).to(tl.pointer_type(tl.int32)), WORD)
             dst_ptr = tl.multiple_of((dst + start * WORD).to(tl.pointer_type(tl.int32)), WORD)
             mask = words[:, None] < n_words - start
-            data = tl.load(src_ptr + lanes, mask=mask, eviction_policy="evict_first")
-            tl.store(dst_ptr + lanes, data, mask=mask, eviction_policy="evict_first")
+            data = tl.load(
+                src_ptr + lanes,
+                mask=mask,
+                other=0 if CHECKSUM else None,
+                eviction_policy="evict_first",
+            )
+            if WRITE:
+                tl.store(dst_ptr + lanes, data, mask=mask, eviction_policy="evict_first")
+            if CHECKSUM:
+                total += _lane_sums(data, page_offset + start * WORD, lanes)
             start += LANES
     else:
         src_ptr = src.to(tl.pointer_type(tl.uint8))
@@ -176,9 +257,19 @@ def _copy_words(src, dst, n_words, WORD: tl.constexpr, LANES: tl.constexpr):
         while start < n_words:
             lanes = start + tl.arange(0, LANES)
             mask = lanes < n_words
-            data = tl.load(src_ptr + lanes, mask=mask, eviction_policy="evict_first")
-            tl.store(dst_ptr + lanes, data, mask=mask, eviction_policy="evict_first")
+            data = tl.load(
+                src_ptr + lanes,
+                mask=mask,
+                other=0 if CHECKSUM else None,
+                eviction_policy="evict_first",
+            )
+            if WRITE:
+                tl.store(dst_ptr + lanes, data, mask=mask, eviction_policy="evict_first")
+            if CHECKSUM:
+                offsets = page_offset.to(tl.uint32) + lanes.to(tl.uint32)
+                total += tl.sum(_byte_sums(data, offsets), 0)
             start += LANES
+    return total
 
 
 @triton.jit
@@ -207,6 +298,16 @@ def _item_rows(pairs_ptr, tile_table_ptr, pair, tile_row, valid):
 # arguments carry annotations so their types do not follow their values either (an
 # unannotated int is i32 below 2**31 and i64 above). Nothing is lost: the kernel reads
 # the tables with scalar int64 loads, whose alignment the element type already implies.
+#
+# Page checksums ride the copy (STYLE rule 17): the words are summed from the registers
+# the copy loaded them into, after its stores were issued, so a checksummed copy moves no
+# extra byte over PCIe or HBM; the item's sum is reduced inside the program and added
+# with ONE relaxed atomic, one 8-byte atomic per item (at most TILE_BYTES), not per word.
+# The word weights need each lane's word index, so with CHECKSUM the word paths also
+# require a 4-byte aligned page offset (where pool rows are 16-byte aligned an item's
+# pool address and page offset agree mod 16, so no item changes path for it). The
+# reduction across the program's warps (shared memory, a barrier) and the atomic are
+# compiled into the checksum variants only: CHECKSUM/WRITE are constexprs.
 @triton.jit(
     do_not_specialize=[
         "tile_table_ptr",
@@ -217,6 +318,8 @@ def _item_rows(pairs_ptr, tile_table_ptr, pair, tile_row, valid):
         "pool_row_bytes",
         "num_groups",
         "direction",
+        "page_sums_ptr",
+        "pair_pages_ptr",
     ]
 )
 def _copy_blocks_kernel(
@@ -230,6 +333,13 @@ def _copy_blocks_kernel(
     direction: tl.int32,
     TILE_BYTES: tl.constexpr,
     NARROW_BYTES: tl.constexpr,
+    # The checksum's arguments come last and default to "off" (Python wants defaulted
+    # parameters after the others): a launch without them binds, specializes and
+    # compiles exactly as before they existed (None pointers are constexprs; unused).
+    page_sums_ptr=None,
+    pair_pages_ptr=None,
+    CHECKSUM: tl.constexpr = False,
+    WRITE: tl.constexpr = True,
 ):
     """Copy every plane page named by the pair table, in the given direction.
 
@@ -252,6 +362,10 @@ def _copy_blocks_kernel(
         direction: int32 scalar, 0 = planes -> pool (store), 1 = pool -> planes (load).
         TILE_BYTES: constexpr, most bytes of one item; the tile table was cut with it.
         NARROW_BYTES: constexpr, lanes of the byte path.
+        page_sums_ptr: int64 ``[num_pages]`` or None: the pages' wsum64s (uint64 bits).
+        pair_pages_ptr: int64 ``[num_pairs]`` or None, per job: page index of each pair.
+        CHECKSUM: constexpr, add each item's wsum64 to its page's (off: compiled out).
+        WRITE: constexpr, store (off, with CHECKSUM: a read-only pass over the source).
 
     Each program keeps two items in flight: the table rows of its next item (eight
     scalar loads) are issued while the current item's 16-byte data loads are outstanding
@@ -301,6 +415,9 @@ def _copy_blocks_kernel(
             )
             src = tl.where(to_pool, cache_address, pool_page_address)
             dst = tl.where(to_pool, pool_page_address, cache_address)
+            page_offset = pool_tile_offset + slot * slot_stride  # unused without CHECKSUM
+            if CHECKSUM:  # the page's sum: the load's latency hides behind the data's
+                page = tl.load(pair_pages_ptr + pair)
             # Position of the next item.
             item += num_programs
             tile_in_pair += tile_step
@@ -310,28 +427,48 @@ def _copy_blocks_kernel(
             next_row = tile_row0 + tile_in_pair
             valid = item < num_items
             alignment = src | dst
+            total = tl.zeros((), dtype=tl.uint64)  # the item's wsum64 (with CHECKSUM)
+            if CHECKSUM:  # the word paths weigh each int32 lane by its page word index
+                alignment |= page_offset & 3
             if (alignment & 15) == 0:
                 # The common path, one step: an item is at most TILE_BYTES = LANES words.
                 # The next item's rows are loaded between this item's loads and stores.
                 lanes, mask = _wide_lanes(item_bytes // 16, TILE_BYTES // 16)
                 src_ptr = tl.multiple_of(src.to(tl.pointer_type(tl.int32)), 16)
                 dst_ptr = tl.multiple_of(dst.to(tl.pointer_type(tl.int32)), 16)
-                data = tl.load(src_ptr + lanes, mask=mask, eviction_policy="evict_first")
+                data = tl.load(
+                    src_ptr + lanes,
+                    mask=mask,
+                    other=0 if CHECKSUM else None,
+                    eviction_policy="evict_first",
+                )
                 rows = _item_rows(pairs_ptr, tile_table_ptr, pair, next_row, valid)
-                tl.store(dst_ptr + lanes, data, mask=mask, eviction_policy="evict_first")
+                if WRITE:
+                    tl.store(dst_ptr + lanes, data, mask=mask, eviction_policy="evict_first")
+                if CHECKSUM:
+                    total = _lane_sums(data, page_offset, lanes)
                 done = (item_bytes // 16) * 16
             else:
                 rows = _item_rows(pairs_ptr, tile_table_ptr, pair, next_row, valid)
                 if (alignment & 7) == 0:
-                    _copy_words(src, dst, item_bytes // 8, 8, TILE_BYTES // 16)
+                    total = _copy_words(
+                        src, dst, item_bytes // 8, page_offset, 8, TILE_BYTES // 16, CHECKSUM, WRITE
+                    )
                     done = (item_bytes // 8) * 8
                 elif (alignment & 3) == 0:
-                    _copy_words(src, dst, item_bytes // 4, 4, TILE_BYTES // 16)
+                    total = _copy_words(
+                        src, dst, item_bytes // 4, page_offset, 4, TILE_BYTES // 16, CHECKSUM, WRITE
+                    )
                     done = (item_bytes // 4) * 4
                 else:
                     done = item_bytes * 0
             # Tail shorter than one word, or the whole item when the addresses are odd.
-            _copy_words(src + done, dst + done, item_bytes - done, 1, NARROW_BYTES)
+            at = page_offset + done
+            total += _copy_words(
+                src + done, dst + done, item_bytes - done, at, 1, NARROW_BYTES, CHECKSUM, WRITE
+            )
+            if CHECKSUM:  # one atomic per item; int64 bits of the uint64 sum (adds wrap alike)
+                tl.atomic_add(page_sums_ptr + page, total.to(tl.int64, bitcast=True), sem="relaxed")
         item_base += num_items
         group += 1
 
@@ -384,21 +521,35 @@ def _empty_job(device: torch.device) -> tuple[object, ...]:
     )
 
 
-def warm_up(device: torch.device | str | int, tile_bytes: int = TILE_BYTES) -> None:
+def warm_up(
+    device: torch.device | str | int, tile_bytes: int = TILE_BYTES, *, checksum: bool = False
+) -> None:
     """Compile and load the copy kernel on ``device`` now, so the first job does not wait.
 
     Launches an empty job (no byte moves) on the current stream of ``device``. No kernel
     argument is specialized on its value or alignment and the launch options are the
     ones :func:`launch_copy` uses for tables cut at ``tile_bytes``, so the kernel
     compiled here is the one every later job runs: a first compile costs ~1 s,
-    mid-serving. Does nothing on CPU devices and under the interpreter, where nothing is
-    compiled.
+    mid-serving. With ``checksum`` the two checksum variants (copy with page sums, and
+    the read-only ``write=False`` pass) are compiled too. Does nothing on CPU devices and
+    under the interpreter, where nothing is compiled.
     """
     device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
     if _INTERPRETED or device.type != "cuda":
         return
     with torch.cuda.device(device):
-        _copy_blocks_kernel[(1,)](*_empty_job(device), **_launch_options(tile_bytes))
+        job = _empty_job(device)
+        _copy_blocks_kernel[(1,)](*job, **_launch_options(tile_bytes))
+        if checksum:
+            # The empty job has no pair: no sum is added, the tensors only bind the types.
+            words = torch.zeros(1, dtype=torch.int64, device=device)
+            for write in (True, False):
+                _copy_blocks_kernel[(1,)](
+                    *job,
+                    page_sums_ptr=words,
+                    pair_pages_ptr=words,
+                    **_launch_options(tile_bytes, checksum=True, write=write),
+                )
 
 
 def launch_copy(
@@ -409,6 +560,9 @@ def launch_copy(
     direction: int,
     *,
     num_programs: int | None = None,
+    page_sums: torch.Tensor | None = None,
+    pair_pages: torch.Tensor | None = None,
+    write: bool = True,
 ) -> None:
     """Enqueue ONE launch copying the job on the current stream; no checks, no host sync.
 
@@ -417,11 +571,25 @@ def launch_copy(
     ``group_offsets`` (int64 ``[num_groups + 1]``) must already be on ``layout.device``
     and valid (the caller validated them). ``pool_address`` is the device-visible address
     of pool row 0; ``direction`` 0 stores (planes -> pool), 1 loads.
+
+    Page checksums (see the module docstring): ``page_sums`` (int64 ``[num_pages]``, on
+    ``layout.device``, zeroed by the caller; read the result as uint64) and
+    ``pair_pages`` (int64 ``[n]``, contiguous, on ``layout.device``: index into
+    ``page_sums`` of each pair's pool row) come together. Each pair's page sum then gains
+    the wsum64 contribution of the pool bytes the launch writes (store) or reads (load).
+    ``write=False`` (with page sums only) reads the side ``direction`` names as the
+    source (0: the GPU blocks, 1: the pool rows), adds the same contributions (weighted
+    by the pool offsets the bytes map to) and stores nothing. Callers validate; the
+    asserts only catch a mix-up of the optional arguments.
     """
+    assert (page_sums is None) == (pair_pages is None), "page_sums and pair_pages go together"
+    assert write or page_sums is not None, "write=False is a checksum pass: needs page_sums"
     if pairs.shape[0] == 0:
         return
     if num_programs is None:
         num_programs = default_num_programs(layout.device, layout.mean_tile_bytes)
+    checksum = page_sums is not None
+    sums = {"page_sums_ptr": page_sums, "pair_pages_ptr": pair_pages} if checksum else {}
     _copy_blocks_kernel[(num_programs,)](
         layout.tile_table,
         layout.group_table,
@@ -431,7 +599,8 @@ def launch_copy(
         layout.pool_row_bytes,
         layout.num_groups,
         int(direction),
-        **_launch_options(layout.tile_bytes),
+        **sums,
+        **_launch_options(layout.tile_bytes, checksum=checksum, write=write),
     )
 
 

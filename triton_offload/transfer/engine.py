@@ -190,15 +190,16 @@ class _Job:
     # Set once the copy returned or failed (CPU) or was enqueued (CUDA: end recorded).
     finished: threading.Event = field(default_factory=threading.Event)
     checksum: bool = False
-    # Checksummed jobs: the rows and the host copy of their sums (read once ended), or
-    # the sums computed on the host (CPU path).
+    # Checksummed jobs: the algorithm, the rows and the host copy of their sums (read
+    # once ended), or the sums computed on the host (CPU path).
+    checksum_algorithm: str = ""
     checksum_rows: np.ndarray | None = None
     checksum_values: Any = None
 
     def done(self) -> bool:
         return self.end is None or bool(self.end.query())
 
-    def result(self, algorithm: str = "") -> TransferResult:
+    def result(self) -> TransferResult:
         seconds = self.transfer_time
         if self.success and self.start is not None and self.end is not None:
             seconds = self.start.elapsed_time(self.end) / 1e3
@@ -207,7 +208,7 @@ class _Job:
             values = self.checksum_values
             if isinstance(values, torch.Tensor):
                 values = values.numpy().view(np.uint64).copy()
-            checksums = PageChecksums(self.checksum_rows, values, algorithm)
+            checksums = PageChecksums(self.checksum_rows, values, self.checksum_algorithm)
         return TransferResult(self.job_id, self.success, self.transfer_size, seconds, checksums)
 
 
@@ -432,27 +433,12 @@ class TransferEngine:
             name: self._make_copier(name) for name in _BACKEND_COPIERS[backend]
         }
         triton = self.copiers.get("triton")
-        #: What ``checksum=True`` jobs compute: device-side sums wherever a kernel can
-        #: run (the bytes are summed where they move), the host's hash on the CPU path.
-        self.checksum_algorithm: str = (
-            DEVICE_ALGORITHM if self.cuda or backend == "triton" else HOST_ALGORITHM
-        )
-        # The launches that sum pages (fused into the copy, or read-only passes).
-        self._summer: TritonCopier | None = None
-        if page_checksums and self.checksum_algorithm == DEVICE_ALGORITHM:
-            self._summer = (
-                triton if isinstance(triton, TritonCopier) else self._make_copier("triton")
-            )
         if self.cuda and isinstance(triton, TritonCopier):
             # Compile now: the first job would otherwise wait ~1 s for it mid-serving.
             # On the current stream, after the table uploads it reads.
             with torch.cuda.device(self.device):
                 triton.warm_up()
-        if self._summer is not None:
-            with torch.cuda.device(self.device) if self.cuda else contextlib.nullcontext():
-                self._summer.gap_tables()  # uploaded now, before any job's stream reads it
-                if self.cuda:
-                    self._summer.warm_up(checksum=True)
+        self._set_up_checksums(triton)
         self.crossover: Crossover | None = None
         self.policy: PathPolicy
         if backend == "auto":
@@ -475,6 +461,26 @@ class TransferEngine:
         self._finalizer = weakref.finalize(self, _release, list(self._streams.values()), self._pool)
 
     # ------------------------------------------------------------------ set-up
+
+    def _set_up_checksums(self, triton: Copier | None) -> None:
+        """What ``checksum=True`` jobs compute (:attr:`checksum_algorithm`): device-side
+        sums wherever a kernel can run (the bytes are summed where they move), the
+        host's hash on the CPU path; with ``page_checksums`` the summing launches'
+        tables are uploaded and their kernels compiled now, not mid-serving."""
+        self.checksum_algorithm: str = (
+            DEVICE_ALGORITHM if self.cuda or self.backend == "triton" else HOST_ALGORITHM
+        )
+        # The launches that sum pages (fused into the copy, or read-only passes).
+        self._summer: TritonCopier | None = None
+        if not self.page_checksums or self.checksum_algorithm != DEVICE_ALGORITHM:
+            return
+        summer = triton if isinstance(triton, TritonCopier) else self._make_copier("triton")
+        assert isinstance(summer, TritonCopier)
+        self._summer = summer
+        with torch.cuda.device(self.device) if self.cuda else contextlib.nullcontext():
+            summer.gap_tables()  # uploaded now, before any job's stream reads it
+            if self.cuda:
+                summer.warm_up(checksum=True)
 
     def _make_copier(self, name: str) -> Copier:
         layout, address, stride = self.layout, self.pool_address, self.row_stride
@@ -599,6 +605,7 @@ class TransferEngine:
             assignment = self.policy.assign(direction, counts)
         job = _Job(job_id, direction, assignment, size, direction if lane is None else lane)
         job.checksum = checksum
+        job.checksum_algorithm = self.checksum_algorithm
         with self._lock:
             if self._closed:
                 return False
@@ -779,7 +786,7 @@ class TransferEngine:
         if self.cuda:
             job.end.synchronize()
         job.holds.keep_alive.clear()
-        result = job.result(self.checksum_algorithm)
+        result = job.result()
         if not result.success:
             raise RuntimeError(f"calibration {DIRECTION_NAMES[job.direction]} job failed")
         return result
@@ -806,7 +813,7 @@ class TransferEngine:
         try:
             for job in done:
                 job.holds.keep_alive.clear()
-                results.append(job.result(self.checksum_algorithm))
+                results.append(job.result())
             with self._lock:
                 for job in done:
                     self._active.pop(job.job_id, None)
