@@ -91,6 +91,7 @@ from triton_offload.transfer.jobs import (
     PairTable,
     pair_table,
 )
+from triton_offload.transfer.layered import LayeredLoad, submit_layered
 from triton_offload.transfer.layout import (
     CacheLayout,
     Layer,
@@ -575,6 +576,46 @@ class TransferEngine:
             lane=EXPEDITED_LOAD if expedited else None,
             checksum=checksum,
         )
+
+    def submit_layered_loads(
+        self,
+        jobs: Sequence[tuple[Hashable, JobSpec]],
+        stages: Sequence[Sequence[int]],
+        *,
+        checksum: bool = False,
+    ) -> LayeredLoad | None:
+        """Load ``jobs`` (``(job_id, JobSpec)`` pairs) stage by stage in the expedited
+        lane: ``stages`` are disjoint lists of plane indices covering every plane; stage
+        ``k`` of every job is copied before stage ``k + 1`` of any, an event after each
+        (see ``transfer.layered``). Returns the handle whose ``wait(k)`` orders the
+        caller after stage ``k``, or None once the engine is shut down. Every job is
+        validated before any byte moves and reported once by :meth:`get_finished`.
+        """
+        if self._closed:
+            return None
+        if not isinstance(checksum, bool):
+            raise TypeError(f"checksum must be a bool, got {checksum!r}")
+        if checksum and not self.page_checksums:
+            raise ValueError("checksum=True needs an engine made with page_checksums=True")
+        ids = [job_id for job_id, _ in jobs]
+        for job_id in ids:
+            try:
+                hash(job_id)
+            except TypeError:
+                raise ValueError(f"job id {job_id!r} is not hashable") from None
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"job ids {ids} repeat an id")
+        if not ids:
+            raise ValueError("submit_layered_loads needs at least one job")
+        self.layout.check_sources()
+        specs = [(job_id, JobSpec.of(spec)) for job_id, spec in jobs]
+        with self._lock:
+            if self._closed:
+                return None
+            busy = [job_id for job_id in ids if job_id in self._active]
+            if busy:
+                raise ValueError(f"job ids {busy} are already in flight")
+            return submit_layered(self, specs, stages, checksum=checksum)
 
     def _submit(
         self,

@@ -44,6 +44,11 @@ from triton_offload.vllm.integrity import (
     TritonWorkerMetadata,
 )
 from triton_offload.vllm.internals import check_vllm_internals
+from triton_offload.vllm.layerwise import (
+    LayerwiseLoads,
+    attention_runs_outside_graphs,
+    layer_stages,
+)
 from triton_offload.vllm.planning import (
     PLANNED_LOOKUPS,
     LazyPresence,
@@ -68,6 +73,7 @@ with supported_vllm_api():
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
         OffloadingConnector,
     )
+    from vllm.v1.kv_cache_interface import AttentionSpec
     from vllm.v1.kv_offload.base import LookupResult, TransferResult
 
 check_vllm_internals()
@@ -475,10 +481,110 @@ class TritonOffloadingConnectorWorker(OffloadingConnectorWorker):  # type: ignor
         self._connector_worker_meta = TritonWorkerMetadata()
         self._triton_load_errors: set[int] = set()
         self._triton_failed_requests: set[str] = set()  # vLLM 0.33's failed_recving
+        #: Layer-wise sync loads (None: off, see triton_offload.vllm.layerwise).
+        self._triton_layerwise: LayerwiseLoads | None = None
+        self._triton_layer_order: list[str] = []
+        #: This step's forward replays a full CUDA graph (set by start_load_kv).
+        self._triton_full_graph_step = False
+
+    def register_kv_caches(self, kv_caches: Any) -> None:
+        # The order vLLM registered the layers in: the forward's, the stages' order.
+        self._triton_layer_order = [str(name) for name in kv_caches]
+        super().register_kv_caches(kv_caches)
 
     def _init_worker(self, kv_caches: Any) -> None:
+        self.spec.reports_failed_loads = True  # layer-wise loads may be set up
         super()._init_worker(kv_caches)
         self.worker = _FailSoftWorker(self.worker, self._triton_failed_load)
+        self._triton_layerwise = self._triton_layerwise_setup()
+
+    def _triton_layerwise_setup(self) -> LayerwiseLoads | None:
+        """The layer map of this worker's planes, when ``layerwise_loads`` is on."""
+        options = getattr(self.spec, "engine_options", None)
+        if options is None or not options.layerwise_loads:
+            return None
+        engine = getattr(self.worker.worker, "engine", None)
+        if engine is None:
+            return None  # no layer of any offloaded group on this worker
+        groups = list(self.spec.config.groups)
+        cache_groups = self.kv_cache_config.kv_cache_groups
+        hooked = {
+            index
+            for index, group in enumerate(groups)
+            if isinstance(cache_groups[int(group.group_id)].kv_cache_spec, AttentionSpec)
+        }
+        context = getattr(
+            getattr(self.vllm_config, "compilation_config", None), "static_forward_context", {}
+        )
+        sharing = {
+            str(name): str(layer.kv_sharing_target_layer_name)
+            for name, layer in (context or {}).items()
+            if getattr(layer, "kv_sharing_target_layer_name", None)
+        }
+        stages = layer_stages(
+            engine.layout,
+            [list(group.layer_names) for group in groups],
+            hooked,
+            self._triton_layer_order,
+            sharing,
+        )
+        state = LayerwiseLoads(stages)
+        usable, why = attention_runs_outside_graphs(self.vllm_config)
+        if not usable:
+            state.turn_off(why)
+        logger.info(
+            "%s: layer-wise sync loads %s: %d layer stages, %d planes loaded whole first",
+            CONNECTOR_NAME,
+            "on" if state.active else f"off ({state.off_reason})",
+            len(stages.stages) - 1,
+            len(stages.stages[0]),
+        )
+        return state
+
+    def triton_wait_layer(self, layer_name: str) -> None:
+        """vLLM's ``wait_for_layer_load``: wait for that layer's stage only."""
+        if self._triton_layerwise is not None:
+            self._triton_layerwise.wait(layer_name)
+
+    def _triton_start_layered(self, metadata: Any) -> bool:
+        """This step's loads with the sync ones layer by layer; False: not this step
+        (the caller runs the whole-job path)."""
+        layered = self._triton_layerwise
+        full_graph, self._triton_full_graph_step = self._triton_full_graph_step, False
+        if layered is None or not layered.active:
+            return False
+        if not any(entry.sync for entry in metadata.load_jobs.values()):
+            return False
+        if full_graph:
+            layered.turn_off("a step replayed a full CUDA graph (no per-layer hooks)")
+            return False
+        self._submit_deferred_stores()
+        staged: list[tuple[int, Any, Any]] = []
+        for job_id, entry in metadata.load_jobs.items():
+            if entry.sync:
+                self._load_jobs[job_id] = None
+                self.worker.load_blocks[job_id] = _blocks_by_group(entry.dst_spec)
+                staged.append((job_id, entry.src_spec, entry.dst_spec))
+            else:
+                self._load_jobs[job_id] = entry.req_id
+                self.worker.submit_load(job_id, entry.src_spec, entry.dst_spec)
+        try:
+            started = layered.start(self.worker.worker, staged)
+        except Exception:
+            logger.exception("%s: layer-wise load of jobs %s failed", CONNECTOR_NAME, staged)
+            started = False
+        if not started:
+            # Whole jobs instead (a job that cannot run is reported failed there).
+            for job_id, src_spec, dst_spec in staged:
+                self.worker.submit_load(job_id, src_spec, dst_spec, expedited=True)
+            self.worker.wait({job_id for job_id, _, _ in staged})
+        return True
+
+    def _triton_join_layered(self) -> None:
+        """Before the step's report: the layer-wise jobs ended (their verdicts join
+        their results); a stage the forward skipped fails its jobs."""
+        if self._triton_layerwise is not None:
+            self._triton_layerwise.finish()
 
     def take_load_errors(self) -> set[int]:
         errors, self._triton_load_errors = self._triton_load_errors, set()
@@ -504,6 +610,8 @@ class TritonOffloadingConnectorWorker(OffloadingConnectorWorker):  # type: ignor
         super().handle_preemptions(kv_connector_metadata)
 
     def start_kv_transfers(self, metadata: Any) -> None:
+        if self._triton_start_layered(metadata):
+            return None
         if not _VLLM_0_34:
             return super().start_kv_transfers(metadata)
         # vLLM 0.34's method, with GPU block ids where it resolves pointers per job.
@@ -566,6 +674,7 @@ class TritonOffloadingConnectorWorker(OffloadingConnectorWorker):  # type: ignor
         return result
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        self._triton_join_layered()
         if _VLLM_0_34:
             return super().get_finished(finished_req_ids)
         # vLLM 0.33's loop without its assert on success.
@@ -667,6 +776,20 @@ class TritonOffloadingConnector(OffloadingConnector):  # type: ignore[misc]
                 CONNECTOR_NAME,
                 [g.tokens_per_block for g in plan.groups],
             )
+
+    # ------------------------------------------------------------ layer-wise loads
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        worker = self.connector_worker
+        if isinstance(worker, TritonOffloadingConnectorWorker):
+            mode = getattr(forward_context, "cudagraph_runtime_mode", None)
+            worker._triton_full_graph_step = "FULL" in str(getattr(mode, "name", mode) or "")
+        super().start_load_kv(forward_context, **kwargs)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        worker = self.connector_worker
+        if isinstance(worker, TritonOffloadingConnectorWorker):
+            worker.triton_wait_layer(layer_name)
 
     # ------------------------------------------------------------ load failures
 

@@ -22,6 +22,7 @@ EXTRA_CONFIG_KEYS = (
     "crossover",
     "replicated_store_timeout_s",
     "verify_chunks",
+    "layerwise_loads",
 )
 BACKENDS = ("auto", "triton", "dma", "torch")
 
@@ -70,6 +71,9 @@ class EngineOptions:
     a store before reporting it failed (rank 0 may have died). ``verify_chunks``: seal
     every stored page and check it before it is loaded or promoted (see
     :mod:`triton_offload.vllm.integrity`); False gives rows without seals.
+    ``layerwise_loads``: a step's sync loads copied layer by layer, the forward waiting
+    for each layer's stage only (:mod:`triton_offload.vllm.layerwise`; needs
+    ``TritonOffloadingConnector``). Off by default.
     """
 
     backend: Backend = "auto"
@@ -79,6 +83,7 @@ class EngineOptions:
     #: below a second at PCIe speed, so a minute means the writer is gone, not slow.
     replicated_store_timeout_s: float = 60.0
     verify_chunks: bool = True
+    layerwise_loads: bool = False
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> EngineOptions:
@@ -102,12 +107,19 @@ class EngineOptions:
             raise ValueError(
                 f"kv_connector_extra_config['verify_chunks'] must be true or false, got {verify!r}"
             )
+        layerwise = extra.get("layerwise_loads", False)
+        if not isinstance(layerwise, bool):
+            raise ValueError(
+                "kv_connector_extra_config['layerwise_loads'] must be true or false, got "
+                f"{layerwise!r}"
+            )
         return cls(
             backend=backend,
             num_programs=num_programs,
             crossover=crossover,
             replicated_store_timeout_s=float(timeout),
             verify_chunks=verify,
+            layerwise_loads=layerwise,
         )
 
 

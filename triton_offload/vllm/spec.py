@@ -305,7 +305,19 @@ class TritonWorkerSide:
             guard.watch_tier(manager, tier)
         manager.triton_guard = guard
 
+    #: Set by ``TritonOffloadingConnectorWorker`` before it asks for the worker: the one
+    #: connector that reports a failed load instead of asserting (layer-wise loads
+    #: need it).
+    reports_failed_loads: bool = False
+
     def get_worker(self, kv_caches: Any) -> TritonOffloadingWorker:
+        if self.engine_options.layerwise_loads and not self.reports_failed_loads:
+            raise ValueError(
+                "kv_connector_extra_config['layerwise_loads'] is true, but the connector "
+                "is not TritonOffloadingConnector: vLLM's plain OffloadingConnector cannot "
+                "report a failed layer-wise load (set kv_connector to "
+                "TritonOffloadingConnector, or layerwise_loads to false)"
+            )
         if self._triton_worker is None:
             self._triton_worker = self.create_worker(kv_caches)
         return self._triton_worker

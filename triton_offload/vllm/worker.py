@@ -321,6 +321,44 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
             unregister,
         )
 
+    def submit_layered_loads(
+        self, jobs: list[tuple[Any, Any, Any]], stages: list[tuple[int, ...]]
+    ) -> Any:
+        """A step's sync loads ``(job_id, src_spec, GPU side)``, copied stage by stage
+        (``stages``: plane indices of the engine's layout; see
+        ``triton_offload.vllm.layerwise``); returns the engine's handle, or None when
+        nothing can be staged here (no engine, or shut down): the caller then submits
+        the jobs as usual. Each job is checked as ``submit_load`` checks it, before any
+        byte moves, and reported once by ``get_finished`` with its seal verdict."""
+        if self._closed or self.engine is None:
+            return None
+        specs = []
+        books: list[tuple[Any, JobSpec, JobChunks | None]] = []
+        for job_id, src_spec, gpu_spec in jobs:
+            what = f"submit_layered_loads(job {job_id!r})"
+            job = self._job(what, ("dst_spec", gpu_spec), ("src_spec", src_spec))
+            self._check_new(job_id, what)
+            chunks = JobChunks.of(job, spec_keys(src_spec)) if self.sealer is not None else None
+            specs.append((job_id, job))
+            books.append((job_id, job, chunks))
+        for job_id, job, chunks in books:
+            self._engine_jobs.add(job_id)
+            self._loads[job_id] = (job, chunks)
+        try:
+            handle = self.engine.submit_layered_loads(
+                specs, stages, checksum=self.sealer is not None
+            )
+        except BaseException:
+            for job_id, _, _ in books:
+                self._engine_jobs.discard(job_id)
+                self._loads.pop(job_id, None)
+            raise
+        if handle is None:
+            for job_id, _, _ in books:
+                self._engine_jobs.discard(job_id)
+                self._loads.pop(job_id, None)
+        return handle
+
     def _verify_load(self, chunks: JobChunks, checksums: Any) -> list[tuple[int, int, Any, str]]:
         """The chunks of a finished load whose page on this worker fails its seal:
         headers checked here (batched, 64 bytes a page), payloads by the checksums the
