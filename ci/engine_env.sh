@@ -114,5 +114,5 @@ fi
 # The project itself, without letting pip re-resolve torch or vllm; einops is imported by
 # vLLM's Qwen3-Next / GDN layers.
 "$venv/bin/python" -m pip install -q --no-deps -e "$repo"
-"$venv/bin/python" -m pip install -q einops 'pytest>=8' 'hypothesis>=6.100' 'pytest-benchmark>=4'
+"$venv/bin/python" -m pip install -q 'xxhash>=3.0' einops 'pytest>=8' 'hypothesis>=6.100' 'pytest-benchmark>=4'
 "$venv/bin/python" -c 'import importlib.metadata as m; print("engine_env: vllm", m.version("vllm"), "torch", m.version("torch"))'

@@ -118,6 +118,16 @@ ENGINES: dict[str, tuple[str, Any, list[dict[str, Any]], int]] = {
 }
 HIT_ENGINES = list(ENGINES)
 
+#: Sync loads (the hit's chunks load in the step that computes the rest of the prompt)
+#: copied layer by layer; gpt-oss and Qwen3-Next have two groups: no sync loads.
+LAYERWISE = {"sync_load_budget_bytes": 64 * MiB, "layerwise_loads": True}
+LAYERWISE_ENGINES = {
+    "llama-layerwise": ("llama", _connector(**LAYERWISE), _rounds([LONG, SHORT]), 0),
+    "gpt-oss-layerwise": ("gpt-oss", _connector(**LAYERWISE), _rounds([LONG, SHORT]), 0),
+    "qwen3-next-layerwise": ("qwen3-next", _connector(**LAYERWISE), _rounds(QWEN_PROMPTS), 0),
+}
+ENGINES.update(LAYERWISE_ENGINES)
+
 
 def _failure_steps(policy: str) -> list[dict[str, Any]]:
     if policy == "recompute":
@@ -415,3 +425,21 @@ def test_tiering_shutdown_leaves_no_region_mapped(
 ) -> None:
     for report in tier_runs[:2]:
         assert KEEPING not in report["log"], f"{report['name']}: the region stayed mapped"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(LAYERWISE_ENGINES))
+def test_layerwise_sync_loads_give_the_cold_rounds_tokens(engines: Engines, name: str) -> None:
+    report = engines.get(name)
+    _assert_served_from_host(report, "hit", "cold")
+    assert _delta(report, "hit", "cold", "prefix_cache_hits") == 0
+    _assert_same(report, "hit")
+    log = report["log"]
+    assert "layer-wise sync loads on" in log, log[-2000:]
+    assert "layer-wise loads off from now on" not in log
+    if name.startswith("llama"):
+        assert "first layer-wise sync load" in log
+    else:
+        # Two cache groups (sliding window + full; GDN + full): vLLM's scheduler cannot
+        # hear of a failed sync load per group, so the connector gives no sync loads.
+        assert "first layer-wise sync load" not in log

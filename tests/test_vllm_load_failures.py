@@ -142,3 +142,52 @@ def test_a_hybrid_models_failed_load_is_reported_per_request(
     assert_prompt_kv(engine, kv, second_tokens)
     # The request-level path recomputes the whole request.
     assert engine.computed["B"] == list(range(len(second_tokens)))
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_failed_layerwise_sync_load_goes_to_vllms_policy(
+    engines: list[Engine], tmp_path: Any, policy: str, monkeypatch: Any
+) -> None:
+    """A sync load copied layer by layer whose copy fails: no wait hangs, every block of
+    the job is reported in the same step, and vLLM's policy recomputes (the KV equals a
+    cold run's) or fails the request; the engine keeps serving."""
+    engine = Engine(
+        tmp_path,
+        policy,
+        extra_config={"sync_load_budget_bytes": 1 << 20, "layerwise_loads": True},
+    )
+    engines.append(engine)
+    layered = engine.worker.connector_worker._triton_layerwise
+    assert layered is not None and layered.active
+    tokens = _offload_first_request(engine)
+    real = cpu_copy._memmove
+
+    def failing(dst: int, src: int, size: int) -> int:
+        raise RuntimeError("injected copy failure")
+
+    monkeypatch.setattr(cpu_copy, "_memmove", failing)
+    second_tokens = tokens + [5] * 8
+    second = engine.add("B", second_tokens)
+    engine.step()  # lookup, a sync load (fails) and the rest of the prompt, one step
+    monkeypatch.setattr(cpu_copy, "_memmove", real)
+    assert layered.started and layered.active
+    if policy == "fail":
+        for _ in range(10):
+            if "B" in engine.finished:
+                break
+            engine.step()
+        assert str(engine.finished["B"]) == "error"
+        assert second.status == RequestStatus.FINISHED_ERROR
+        third = engine.add("C", prompt(seed=9))
+        assert_prompt_kv(engine, engine.run(third), prompt(seed=9))
+        return
+    kv = engine.run(second)
+    assert str(engine.finished["B"]) == "length"
+    assert_prompt_kv(engine, kv, second_tokens)
+    # The step of the failed load computed the prompt's rest; vLLM then recomputed every
+    # position from the first failed block (block 0: the whole job failed).
+    assert set(range(len(second_tokens))) <= set(engine.computed["B"])
+    # A layer-wise load that succeeds: C hits every stored chunk and loads them exactly.
+    third = engine.add("C", second_tokens)
+    assert_prompt_kv(engine, engine.run(third), second_tokens)
+    assert engine.computed["C"] == list(range(PROMPT, len(second_tokens)))

@@ -217,6 +217,10 @@ class Engine:
             request = self.scheduler.requests[req_id]
             start = request.num_computed_tokens - count
             block_ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)
+            for name in self.layers:
+                # As an attention layer does: wait for its load before reading its KV
+                # (a no-op unless the step's sync loads go layer by layer).
+                self.worker.wait_for_layer_load(name)
             for position in range(start, start + count):
                 token = request.all_token_ids[position]
                 self.computed[req_id].append(position)

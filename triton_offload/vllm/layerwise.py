@@ -128,6 +128,7 @@ class LayerwiseLoads:
         self.stages = stages
         self.handle: Any = None
         self.off_reason = ""
+        self.started = False  # a layer-wise load ran (logged once)
 
     @property
     def active(self) -> bool:
@@ -145,6 +146,13 @@ class LayerwiseLoads:
         if handle is None:
             return False
         self.handle = handle
+        if not self.started:
+            self.started = True
+            logger.info(
+                "triton_offload: first layer-wise sync load: %d job(s) in %d stages",
+                len(jobs),
+                handle.num_stages,
+            )
         handle.wait(0)
         return True
 
