@@ -265,3 +265,44 @@ def test_a_skipped_stage_fails_its_jobs_and_turns_the_feature_off() -> None:
 def test_when_the_hooks_fire(config: Any, usable: bool, why: str) -> None:
     ok, reason = attention_runs_outside_graphs(config)
     assert ok is usable and why in reason
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_staged_load_bytes_are_exact(backend: str) -> None:
+    """Three-way: the pool is unchanged, every addressed block holds its pool page, every
+    other block keeps its poison, whatever the stage split."""
+    engine = make_engine(backend)
+    stages = stages_of(engine)
+    for plane in engine.layout.planes:
+        plane.view[:] = POISON
+    pool_before = engine.pool.clone()
+    wanted = {p: expected_pages(engine, p) for p in range(len(engine.layout.planes))}
+    handle = engine.submit_layered_loads([("j", JOB)], stages.submitted, checksum=True)
+    for stage in range(len(stages.stages)):
+        handle.wait(stage)
+    assert handle.join()
+    assert torch.equal(engine.pool, pool_before)
+    for index, plane in enumerate(engine.layout.planes):
+        addressed = {block for block, _ in wanted[index]}
+        for block, page in wanted[index]:
+            assert torch.equal(plane.view[block], page), (index, block)
+        for block in set(range(BLOCKS)) - addressed:
+            assert bool((plane.view[block] == POISON).all()), (index, block)
+    (result,) = engine.get_finished()
+    assert result.success
+    engine.shutdown()
+
+
+def test_layerwise_loads_are_refused_under_vllms_plain_connector() -> None:
+    pytest.importorskip("vllm")
+    import triton_offload.vllm as tv
+    from tests.test_vllm_spec import Caches, _config
+
+    spec = tv.TritonOffloadingSpec(_config({"layerwise_loads": True, "backend": "torch"}))
+    with pytest.raises(ValueError, match="layerwise_loads'] is true, but the connector is not"):
+        spec.get_worker(Caches().canonical)
+    spec.reports_failed_loads = True  # what TritonOffloadingConnectorWorker sets
+    worker = spec.get_worker(Caches().canonical)
+    worker.shutdown()
+    with pytest.raises(ValueError, match=r"\['layerwise_loads'\] must be true or false, got 1"):
+        tv.TritonOffloadingSpec(_config({"layerwise_loads": 1}))

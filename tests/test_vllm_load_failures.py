@@ -145,11 +145,13 @@ def test_a_hybrid_models_failed_load_is_reported_per_request(
 
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
+@pytest.mark.parametrize("fault", ["copy error", "corrupt row"])
 def test_a_failed_layerwise_sync_load_goes_to_vllms_policy(
-    engines: list[Engine], tmp_path: Any, policy: str, monkeypatch: Any
+    engines: list[Engine], tmp_path: Any, policy: str, fault: str, monkeypatch: Any
 ) -> None:
-    """A sync load copied layer by layer whose copy fails: no wait hangs, every block of
-    the job is reported in the same step, and vLLM's policy recomputes (the KV equals a
+    """A sync load copied layer by layer whose copy fails or whose row fails its seal
+    (the verdict joins the job before the step's report): no wait hangs, the failed
+    blocks are reported in the same step, and vLLM's policy recomputes (the KV equals a
     cold run's) or fails the request; the engine keeps serving."""
     engine = Engine(
         tmp_path,
@@ -161,11 +163,14 @@ def test_a_failed_layerwise_sync_load_goes_to_vllms_policy(
     assert layered is not None and layered.active
     tokens = _offload_first_request(engine)
     real = cpu_copy._memmove
+    if fault == "corrupt row":
+        _corrupt_host_chunk(engine, 3)
+    else:
 
-    def failing(dst: int, src: int, size: int) -> int:
-        raise RuntimeError("injected copy failure")
+        def failing(dst: int, src: int, size: int) -> int:
+            raise RuntimeError("injected copy failure")
 
-    monkeypatch.setattr(cpu_copy, "_memmove", failing)
+        monkeypatch.setattr(cpu_copy, "_memmove", failing)
     second_tokens = tokens + [5] * 8
     second = engine.add("B", second_tokens)
     engine.step()  # lookup, a sync load (fails) and the rest of the prompt, one step
@@ -185,8 +190,13 @@ def test_a_failed_layerwise_sync_load_goes_to_vllms_policy(
     assert str(engine.finished["B"]) == "length"
     assert_prompt_kv(engine, kv, second_tokens)
     # The step of the failed load computed the prompt's rest; vLLM then recomputed every
-    # position from the first failed block (block 0: the whole job failed).
-    assert set(range(len(second_tokens))) <= set(engine.computed["B"])
+    # position from the first failed block (block 0 when the copy failed, the corrupt
+    # row's first block when its seal failed).
+    first_failed = 3 * BLOCK if fault == "corrupt row" else 0
+    assert set(range(first_failed, len(second_tokens))) <= set(engine.computed["B"])
+    assert not set(range(first_failed)) & set(engine.computed["B"])
+    if fault == "corrupt row":
+        return  # the refused chunk's quarantine and re-store: test_a_failed_load_goes...
     # A layer-wise load that succeeds: C hits every stored chunk and loads them exactly.
     third = engine.add("C", second_tokens)
     assert_prompt_kv(engine, engine.run(third), second_tokens)
