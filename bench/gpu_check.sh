@@ -257,6 +257,7 @@ cuda_test_files=(
   "tests/test_bench_cuda.py 40 0"
   "bench/suites/bench_kernel_tables.py 20 15"
   "bench/suites/bench_seal.py 40 30"
+  "bench/suites/bench_layerwise.py 30 25"
 )
 if [ -n "${GPU_CHECK_TEST_FILES:-}" ]; then
   # Entries "FILE CAP PER_TEST" separated by ';' (tests/test_gpu_check.py hangs one).
@@ -436,6 +437,8 @@ bench sweep --sweep-only "${sweep_args[@]}"
       echo "verification (bench/suites/bench_seal.py, verified / unverified speed):"
       grep -E '^engine cuda .* ratio' "$f" | sed 's/^/  /'
     fi
+    # bench_layerwise.py: time to first token of a sync-loaded hit, whole-job vs layer-wise.
+    grep -E '^layer-wise cuda:' "$f" | sed 's/^/  /'
   fi
   for name in presets sweep; do
     f="$work/$name.log"

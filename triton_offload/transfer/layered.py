@@ -253,7 +253,8 @@ def _enqueue_cuda(
     engine: TransferEngine, made: list[Any], stages: list[tuple[int, ...]], handle: LayeredLoad
 ) -> None:
     stream = engine._streams[made[0][0].lane] if made else None
-    handle.events = [torch.cuda.Event() for _ in stages]
+    # Timed events: a stage's bandwidth is the time between two (bench_layerwise.py).
+    handle.events = [torch.cuda.Event(enable_timing=True) for _ in stages]
     ready = torch.cuda.Event()
     ready.record(torch.cuda.current_stream(engine.device))
     for job, _ in made:
