@@ -306,3 +306,32 @@ def test_layerwise_loads_are_refused_under_vllms_plain_connector() -> None:
     worker.shutdown()
     with pytest.raises(ValueError, match=r"\['layerwise_loads'\] must be true or false, got 1"):
         tv.TritonOffloadingSpec(_config({"layerwise_loads": 1}))
+
+
+def test_a_step_replaying_a_full_cuda_graph_takes_the_whole_job_path(tmp_path: Any) -> None:
+    """Under vLLM's real scheduler: a step whose forward replays a full CUDA graph (no
+    per-layer hooks) loads its sync jobs whole, turns layer-wise loads off for good, and
+    the hit's KV is exact."""
+    pytest.importorskip("vllm")
+    from vllm.config import CUDAGraphMode
+
+    from tests.vllm_engine import PROMPT, Engine, assert_prompt_kv, prompt
+
+    engine = Engine(
+        tmp_path,
+        "recompute",
+        extra_config={"sync_load_budget_bytes": 1 << 20, "layerwise_loads": True},
+    )
+    try:
+        layered = engine.worker.connector_worker._triton_layerwise
+        assert layered is not None and layered.active
+        tokens = prompt()
+        assert_prompt_kv(engine, engine.run(engine.add("A", tokens)), tokens)
+        engine.context.cudagraph_runtime_mode = CUDAGraphMode.FULL
+        second = tokens + [5] * 8
+        assert_prompt_kv(engine, engine.run(engine.add("B", second)), second)
+        assert engine.computed["B"] == list(range(PROMPT, len(second)))  # loaded, exact
+        assert not layered.started and not layered.active
+        assert "full CUDA graph" in layered.off_reason
+    finally:
+        engine.close()
