@@ -73,7 +73,7 @@ import torch
 
 from triton_offload.planner.plan import OffloadPlan
 from triton_offload.transfer.batch_copy import find_batch_copy
-from triton_offload.transfer.checksums import PageChecksums, host_checksums, job_pages
+from triton_offload.transfer.checksums import JobPages, PageChecksums, host_checksums, job_pages
 from triton_offload.transfer.copiers import (
     Copier,
     DmaCopier,
@@ -694,9 +694,21 @@ class TransferEngine:
             cache_side = PageSums(page_sums, pages.pair_pages, write=False)
             gpu_pass = summer.prepare(table, TO_POOL, None, holds, stream, sums=cache_side)
             runs = [gpu_pass, *copies] if job.direction == TO_POOL else [*copies, gpu_pass]
+        return runs + self._summed_tail(job, pages, page_sums, stream)
+
+    def _summed_tail(
+        self, job: _Job, pages: JobPages, page_sums: torch.Tensor, stream: Any
+    ) -> list[Callable[[], None]]:
+        """A checksummed job's launches after its copy: the read-only passes over the
+        slots of its rows it does not move and the bytes between the planes' slots,
+        then (CUDA) the sums' copy to the host, read once the job ended."""
+        summer = self._summer
+        assert summer is not None
+        holds = job.holds
+        runs: list[Callable[[], None]] = []
         if pages.rest.pairs.shape[0]:
-            pool_side = PageSums(page_sums, pages.rest_pages, write=False)
-            runs.append(summer.prepare(pages.rest, FROM_POOL, None, holds, stream, sums=pool_side))
+            rest = PageSums(page_sums, pages.rest_pages, write=False)
+            runs.append(summer.prepare(pages.rest, FROM_POOL, None, holds, stream, sums=rest))
         between = PageSums(page_sums, pages.whole_pages, write=False)
         gaps = summer.prepare_gaps(pages.whole, holds, stream, between)
         if gaps is not None:
@@ -704,7 +716,7 @@ class TransferEngine:
         job.checksum_rows = pages.rows
         if self.cuda:
             host = torch.empty(pages.rows.size, dtype=torch.int64, pin_memory=True)
-            job.holds.keep_alive.append(host)
+            holds.keep_alive.append(host)
             job.checksum_values = host
             runs.append(lambda: host.copy_(page_sums, non_blocking=True))
         else:

@@ -180,22 +180,7 @@ def _job_runs(
         per_stage.append(runs)
     tail: list[Callable[[], None]] = []
     if summer is not None and pages is not None and page_sums is not None:
-        if pages.rest.pairs.shape[0]:
-            rest = PageSums(page_sums, pages.rest_pages, write=False)
-            tail.append(summer.prepare(pages.rest, FROM_POOL, None, holds, stream, sums=rest))
-        between = PageSums(page_sums, pages.whole_pages, write=False)
-        gaps = summer.prepare_gaps(pages.whole, holds, stream, between)
-        if gaps is not None:
-            tail.append(gaps)
-        job.checksum_rows = pages.rows
-        if engine.cuda:
-            host = torch.empty(pages.rows.size, dtype=torch.int64, pin_memory=True)
-            holds.keep_alive.append(host)
-            job.checksum_values = host
-            sums_on_device = page_sums
-            tail.append(lambda: host.copy_(sums_on_device, non_blocking=True))
-        else:
-            job.checksum_values = page_sums
+        tail = engine._summed_tail(job, pages, page_sums, stream)
     elif job.checksum:
         # The CPU path: the host hashes each page once the last stage landed.
         def hash_pages() -> None:
