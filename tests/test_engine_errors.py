@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -298,3 +299,61 @@ def test_ids_beyond_int64_are_named_as_such() -> None:
     engine = _small_engine(backend="torch")
     with pytest.raises(ValueError, match=r"gpu_blocks\[0\] id 9223372036854775808 does not fit"):
         engine.submit_store("d", gpu_blocks=[[2**63, -1]], host_blocks=[[1, 2]])
+
+
+# NaN and fractional ids: numpy casts NaN to int64 as -2**63, which used to be reported
+# as a negative id; every float id is refused naming the value and its position.
+@pytest.mark.parametrize(
+    ("gpu", "host", "match"),
+    [
+        ([np.array([np.nan]), []], [[0], []], r"gpu_blocks\[0\] .* got float64 NaN at index 0"),
+        ([[0, 1.5], []], [[0], []], r"gpu_blocks\[0\] .* got float64 1\.5 at index 1"),
+        ([[0, 2.0], []], [[0], []], r"gpu_blocks\[0\] .* got float64 2\.0 at index 1"),
+        ([[0], []], [[np.nan], []], r"host_blocks\[0\] .* got float64 NaN at index 0"),
+        ([[0], []], [[0], [np.inf]], r"host_blocks\[1\] .* got float64 inf at index 0"),
+        ([torch.tensor([0.0, 2.5]), []], [[0], []], r"gpu_blocks\[0\] .* float32 2\.5 at index 1"),
+        ([["0"], []], [[0], []], r"gpu_blocks\[0\] must hold integer ids, got str '0' at index 0"),
+    ],
+)
+def test_float_ids_are_refused_naming_the_value(
+    engine: TransferEngine, gpu: list, host: list, match: str
+) -> None:
+    assert_rejected(engine, lambda: engine.submit_load(5, gpu_blocks=gpu, host_blocks=host), match)
+
+
+def _engine_after_refusal() -> None:
+    """A valid engine built right after a refused one works."""
+    engine = TransferEngine(two_group_plan(), make_caches(), HOST_BLOCKS, backend="torch")
+    assert engine.submit_store(1, gpu_blocks=[[0, 1], [2]], host_blocks=[[3], [1]])
+    assert [r.success for r in engine.get_finished()] == [True]
+
+
+def test_meta_caches_are_refused_naming_the_meta_device() -> None:
+    # A meta tensor has no memory (data_ptr 0): it used to be refused as "plane 0
+    # base_address 0 must be >= 1", or, next to real caches, as a device mismatch.
+    plan = two_group_plan()
+    meta = [[tuple(t.to("meta") for t in layer) for layer in group] for group in make_caches()]
+    with pytest.raises(
+        ValueError,
+        match=r"cache tensor group 0 layer 0 plane 0 \(shape \(6, 4, 8\)\) is on the meta "
+        "device: it has no memory",
+    ):
+        TransferEngine(plan, meta, HOST_BLOCKS, backend="torch")
+    caches = make_caches()
+    mixed = [caches[0], [(caches[1][0][0], caches[1][0][1].to("meta"))]]
+    with pytest.raises(ValueError, match=r"group 1 layer 0 plane 1 .* is on the meta device"):
+        TransferEngine(plan, mixed, HOST_BLOCKS, backend="torch")
+    _engine_after_refusal()
+
+
+def test_zero_block_caches_are_refused_naming_the_block_count() -> None:
+    # A 0-block tensor's strides are arbitrary: one whose (empty) blocks looked
+    # non-contiguous used to be refused as "the bytes of one block are not contiguous".
+    plan = two_group_plan()
+    caches = make_caches()
+    empty = torch.empty(0, 5, 3, dtype=torch.half).transpose(1, 2)
+    with pytest.raises(ValueError, match=r"group 1 layer 0 plane 0 has 0 blocks \(shape \(0, 3, 5"):
+        TransferEngine(plan, [caches[0], [(empty, caches[1][0][1])]], HOST_BLOCKS)
+    with pytest.raises(ValueError, match=r"group 0 layer 0 plane 0 has 0 blocks"):
+        TransferEngine(plan, [[torch.empty(0, 0)], caches[1]], HOST_BLOCKS)
+    _engine_after_refusal()

@@ -51,8 +51,39 @@ def _first_int_beyond_int64(values: Any) -> int | None:
     return None
 
 
-def _ids(values: Any, what: str, kind: str, group: int) -> np.ndarray:
-    """A read-only 1-d int64 array of non-negative ids; ValueError/TypeError naming ``what``."""
+def _non_integer(values: Any, array: np.ndarray) -> str:
+    """The first id of a non-integer ``array`` (made from ``values``), as ``"<type>
+    <value> at index <i>"``. A float array names its first NaN, infinity or fraction
+    (a cast to int64 would turn NaN into -2**63 and 1.5 into 1); otherwise a list or an
+    object array names its first element that is not an int (numpy turns [5, "a"] into
+    strings and [5, 7.0] into floats); otherwise the first id."""
+    index = None
+    if array.dtype.kind == "f":
+        with np.errstate(invalid="ignore"):
+            bad = np.flatnonzero(~np.isfinite(array) | (array != np.trunc(array)))
+        if bad.size:
+            index = int(bad[0])
+    if index is None and (isinstance(values, (list, tuple)) or array.dtype.kind == "O"):
+        integers = (int, np.integer)
+        index = next((i for i, v in enumerate(values) if not isinstance(v, integers)), None)
+    index = 0 if index is None else index
+    value = array[index]
+    value = value.item() if isinstance(value, np.generic) else value
+    if array.dtype.kind in "US" or (array.dtype.kind == "O" and not isinstance(value, int)):
+        kind = type(value).__name__  # the dtype says less than the value's own type
+    else:
+        kind = str(array.dtype)
+    text = "NaN" if isinstance(value, float) and value != value else repr(value)
+    return f"{kind} {text} at index {index}"
+
+
+def int64_ids(values: Any, what: str) -> tuple[np.ndarray, bool]:
+    """``values`` as a 1-d int64 array, and whether that array is new (not ``values``).
+
+    Any integer dtype or Python ints are taken; bools, floats (NaN included), strings,
+    objects and arrays of another rank are refused, TypeError/ValueError naming ``what``,
+    the value and its index. Signs are not checked here.
+    """
     if isinstance(values, (str, bytes)) or values is None:
         raise TypeError(f"{what} must be a sequence of integer ids, got {values!r}")
     if isinstance(values, torch.Tensor):
@@ -67,20 +98,27 @@ def _ids(values: Any, what: str, kind: str, group: int) -> np.ndarray:
         )
     fresh = not isinstance(values, np.ndarray)  # a list becomes a new array: no copy needed
     array = np.asarray(values)
-    if array.size == 0:
-        array = np.zeros(0, dtype=np.int64)
-    elif array.ndim != 1:
+    if array.ndim != 1:
+        # Checked before emptiness: a [0, n] array is no list of ids either.
         raise ValueError(f"{what} must be a 1-d sequence of ids, got shape {array.shape}")
-    elif array.dtype != np.int64:
-        if array.dtype.kind not in "iu" or array.dtype == np.bool_:
+    if array.size == 0:
+        return np.zeros(0, dtype=np.int64), True
+    if array.dtype != np.int64:
+        if array.dtype.kind not in "iu":
             too_big = _first_int_beyond_int64(values)
             if too_big is not None:
                 raise ValueError(f"{what} id {too_big} does not fit in a 64-bit signed id")
-            raise TypeError(f"{what} must hold integer ids, got {array.dtype}: {array[:8]!r}")
+            raise TypeError(f"{what} must hold integer ids, got {_non_integer(values, array)}")
         if array.dtype.kind == "u" and int(array.max()) > _INT64_MAX:
             raise ValueError(f"{what}: id {int(array.max())} out of range")
-        array = array.astype(np.int64)
-    elif not fresh:
+        return array.astype(np.int64), True
+    return array, fresh
+
+
+def _ids(values: Any, what: str, kind: str, group: int) -> np.ndarray:
+    """A read-only 1-d int64 array of non-negative ids; ValueError/TypeError naming ``what``."""
+    array, fresh = int64_ids(values, what)
+    if not fresh:
         array = array.copy()  # a private copy: the spec is immutable
     if array.size and array.min() < 0:
         bad = int(array[np.argmax(array < 0)])
@@ -591,6 +629,7 @@ __all__ = [
     "Direction",
     "JobSpec",
     "PairTable",
+    "int64_ids",
     "pair_table",
     "validate_pairs",
     "writer_parts",

@@ -128,6 +128,7 @@ class Plane:
                 f"plane view must be uint8 [num_blocks, page_bytes], got {view.dtype} "
                 f"{tuple(view.shape)}"
             )
+        check_cache_tensor(view, "plane view")  # a meta view would give base address 0
         num_blocks = view.size(0)
         page_bytes, stride = _block_geometry(view, "plane view")
         if num_blocks == 1:
@@ -555,6 +556,23 @@ def _plane_tensors(layer: Any, group: int, layer_index: int) -> list[torch.Tenso
     )
 
 
+def check_cache_tensor(tensor: torch.Tensor, name: str) -> None:
+    """ValueError unless ``tensor`` has memory and at least one block: checked first,
+    before its device, strides or address are read, which would misname the problem (a
+    meta tensor's address is 0 and its device differs from the others; a 0-block
+    tensor's strides are arbitrary, so its empty blocks may look non-contiguous)."""
+    if tensor.is_meta:
+        raise ValueError(
+            f"cache tensor {name} (shape {tuple(tensor.shape)}) is on the meta device: it "
+            "has no memory to copy from or to"
+        )
+    if tensor.dim() >= 1 and tensor.size(0) == 0:
+        raise ValueError(
+            f"{name} has 0 blocks (shape {tuple(tensor.shape)}); a cache tensor needs at "
+            "least one block"
+        )
+
+
 def _page_bytes(tensor: torch.Tensor, name: str) -> int:
     """Bytes of one block of ``tensor``; ValueError unless that region is contiguous."""
     if tensor.dim() < 1:
@@ -641,6 +659,7 @@ def build_layout(
         for layer_index, layer in enumerate(layers):
             for index, tensor in enumerate(_plane_tensors(layer, group, layer_index)):
                 name = f"group {group} layer {layer_index} plane {index}"
+                check_cache_tensor(tensor, name)
                 if device is None:
                     device, first_name = tensor.device, name
                 elif tensor.device != device:
@@ -650,11 +669,6 @@ def build_layout(
                     )
                 page_bytes, block_stride = _block_geometry(tensor, name)
                 blocks = tensor.size(0)
-                if blocks == 0:
-                    raise ValueError(
-                        f"{name} has 0 blocks (shape {tuple(tensor.shape)}); a cache tensor "
-                        "needs at least one block"
-                    )
                 if num_blocks is None:
                     num_blocks = blocks
                 elif blocks != num_blocks:
@@ -714,6 +728,7 @@ __all__ = [
     "block_offsets",
     "build_layout",
     "byte_view",
+    "check_cache_tensor",
     "check_int",
     "check_pool_placement",
     "overlapping_plane_pairs",

@@ -15,7 +15,8 @@ import torch
 
 from triton_offload.planner.groups import GroupKind, GroupSpec, ParallelSpec
 from triton_offload.planner.plan import OffloadPlan, plan_offload
-from triton_offload.transfer.jobs import JobSpec
+from triton_offload.transfer.jobs import JobSpec, int64_ids
+from triton_offload.transfer.layout import check_cache_tensor
 
 
 def plan_from_offloading_config(config: Any) -> OffloadPlan:
@@ -106,6 +107,9 @@ def row_bytes_view(tensor: Any, name: str) -> torch.Tensor:
         raise ValueError(
             f"{name}.tensor has shape {tuple(tensor.shape)}; expected (num_blocks, ...)"
         )
+    # Before the view below: a 0-block tensor cannot be viewed as [0, -1] and used to be
+    # refused as non-contiguous; a meta tensor used to be refused as a device mismatch.
+    check_cache_tensor(tensor, f"{name}.tensor")
     try:
         rows = tensor.view(tensor.size(0), -1)
         if rows.size(1) > 1 and rows.stride(1) != 1:
@@ -126,7 +130,9 @@ def split_job(
     vLLM orders both specs by group: group ``g`` has ``group_sizes[g]`` GPU blocks,
     the first at logical block ``block_indices[g]`` of its request, and, when
     non-empty, ``ceil((block_indices[g] % bpc + group_sizes[g]) / bpc)`` host chunks
-    (the first chunk's leading ``block_indices[g] % bpc`` slots are skipped).
+    (the first chunk's leading ``block_indices[g] % bpc`` slots are skipped). Both
+    specs' ``block_ids`` must be 1-d integer arrays (any width) or int lists: anything
+    else is refused naming the spec, the value and its index (``int64_ids``).
     """
     sizes = [int(size) for size in gpu_spec.group_sizes]
     starts = [int(index) for index in gpu_spec.block_indices]
@@ -135,8 +141,12 @@ def split_job(
             f"{what}: GPULoadStoreSpec has {len(sizes)} group sizes and {len(starts)} block "
             f"indices, but the offloaded caches have {num_groups} groups"
         )
-    gpu_ids = np.asarray(gpu_spec.block_ids, dtype=np.int64).reshape(-1)
-    host_ids = np.asarray(host_spec.block_ids, dtype=np.int64).reshape(-1)
+    # Checked, not cast: ``np.asarray(ids, dtype=np.int64).reshape(-1)`` took 1.5 as block
+    # 1, "5" as block 5, True as block 1, NaN as -2**63 (then reported as a negative id)
+    # and flattened a 2-D array. vLLM's constructors cast to int32, but ``block_ids`` is
+    # a plain attribute a caller (or a subclass) may set to anything.
+    gpu_ids, _ = int64_ids(gpu_spec.block_ids, f"{what}: GPULoadStoreSpec block_ids")
+    host_ids, _ = int64_ids(host_spec.block_ids, f"{what}: CPULoadStoreSpec block_ids")
     if sum(sizes) != gpu_ids.size:
         raise ValueError(
             f"{what}: group sizes {sizes} add up to {sum(sizes)} but the GPU spec has "
