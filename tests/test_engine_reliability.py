@@ -569,7 +569,7 @@ def test_an_interrupt_inside_get_finished_loses_no_result(
     engine = TransferEngine(plan(), [[cache]], ROWS, backend="torch")
     for job in range(3):
         assert engine.submit_store(job, gpu_blocks=[[job]], host_blocks=[[job]])
-    original = engine_module._Job.result
+    original = engine_module.RunningJob.result
     calls = {"n": 0}
 
     def interrupted(self: Any) -> Any:
@@ -578,7 +578,7 @@ def test_an_interrupt_inside_get_finished_loses_no_result(
             raise KeyboardInterrupt
         return original(self)
 
-    monkeypatch.setattr(engine_module._Job, "result", interrupted)
+    monkeypatch.setattr(engine_module.RunningJob, "result", interrupted)
     with pytest.raises(KeyboardInterrupt):
         engine.get_finished()
     monkeypatch.undo()

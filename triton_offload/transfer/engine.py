@@ -65,23 +65,27 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
-import numpy as np
 import torch
 
 from triton_offload.planner.plan import OffloadPlan
 from triton_offload.transfer.batch_copy import find_batch_copy
-from triton_offload.transfer.checksums import JobPages, PageChecksums, host_checksums, job_pages
+from triton_offload.transfer.checksums import JobPages, host_checksums, job_pages
 from triton_offload.transfer.copiers import (
     Copier,
     DmaCopier,
     HostCopier,
-    JobHolds,
     PageSums,
     TritonCopier,
     load_kernels,
+)
+from triton_offload.transfer.job_state import (
+    EXPEDITED_LOAD,
+    LANES,
+    RunningJob,
+    TransferResult,
 )
 from triton_offload.transfer.jobs import (
     DIRECTION_NAMES,
@@ -132,28 +136,6 @@ _BACKEND_COPIERS = {
     "dma": ("dma",),
     "torch": ("torch",),
 }
-#: The lane of expedited loads, beside ``TO_POOL`` (stores) and ``FROM_POOL`` (loads):
-#: its own FIFO queue, stream and copy lock.
-EXPEDITED_LOAD = 2
-_LANES = (TO_POOL, FROM_POOL, EXPEDITED_LOAD)
-
-
-@dataclass(frozen=True)
-class TransferResult:
-    """Outcome of one job: bytes moved and the device time between its start and end.
-
-    ``transfer_size`` counts every page of every plane the job addressed (bytes);
-    ``transfer_time`` is in seconds (CUDA events on CUDA, wall clock on CPU), from
-    after the job's host preparation to the end of its last copy.
-    A job that failed while running has ``success=False``.
-    """
-
-    job_id: Hashable
-    success: bool
-    transfer_size: int
-    transfer_time: float
-    #: The page checksums of a job submitted with ``checksum=True`` that succeeded.
-    checksums: PageChecksums | None = None
 
 
 @dataclass(frozen=True)
@@ -174,43 +156,6 @@ class TimedRun:
 _GATE_CYCLES = 2_000_000
 #: ~135 ms at 2 GHz: past this the enqueue itself is the problem, not the gate.
 _MAX_GATE_CYCLES = 1 << 28
-
-
-@dataclass
-class _Job:
-    job_id: Hashable
-    direction: int
-    assignment: Assignment
-    transfer_size: int
-    lane: int
-    success: bool = True
-    transfer_time: float = 0.0
-    start: Any = None  # torch.cuda.Event
-    end: Any = None  # torch.cuda.Event
-    holds: JobHolds = field(default_factory=JobHolds)
-    # Set once the copy returned or failed (CPU) or was enqueued (CUDA: end recorded).
-    finished: threading.Event = field(default_factory=threading.Event)
-    checksum: bool = False
-    # Checksummed jobs: the algorithm, the rows and the host copy of their sums (read
-    # once ended), or the sums computed on the host (CPU path).
-    checksum_algorithm: str = ""
-    checksum_rows: np.ndarray | None = None
-    checksum_values: Any = None
-
-    def done(self) -> bool:
-        return self.end is None or bool(self.end.query())
-
-    def result(self) -> TransferResult:
-        seconds = self.transfer_time
-        if self.success and self.start is not None and self.end is not None:
-            seconds = self.start.elapsed_time(self.end) / 1e3
-        checksums = None
-        if self.success and self.checksum and self.checksum_rows is not None:
-            values = self.checksum_values
-            if isinstance(values, torch.Tensor):
-                values = values.numpy().view(np.uint64).copy()
-            checksums = PageChecksums(self.checksum_rows, values, self.checksum_algorithm)
-        return TransferResult(self.job_id, self.success, self.transfer_size, seconds, checksums)
 
 
 def _release(streams: list[Any], pool: HostPool) -> None:
@@ -403,11 +348,11 @@ class TransferEngine:
         # whatever the number of layers.
         self._bytes_per_block = self.layout.bytes_per_block
 
-        self._active: dict[Hashable, _Job] = {}
-        self._queues: dict[int, deque[_Job]] = {lane: deque() for lane in _LANES}
-        self._finished: deque[_Job] = deque()  # CPU: completed, in completion order
+        self._active: dict[Hashable, RunningJob] = {}
+        self._queues: dict[int, deque[RunningJob]] = {lane: deque() for lane in LANES}
+        self._finished: deque[RunningJob] = deque()  # CPU: completed, in completion order
         # Finished jobs a get_finished call took but could not return (interrupted).
-        self._undelivered: list[_Job] = []
+        self._undelivered: list[RunningJob] = []
         self._closed = False
         # Guards the job books (_active, _queues, _finished, _undelivered, _closed) and,
         # on CUDA, the enqueue of a job together with its place in the FIFO queue.
@@ -415,7 +360,7 @@ class TransferEngine:
         self._lock = threading.RLock()
         # CPU: one job per lane copies at a time (the CUDA streams' FIFO order);
         # copies run outside _lock so that get_finished never waits for a copy.
-        self._copy_locks = {lane: threading.Lock() for lane in _LANES}
+        self._copy_locks = {lane: threading.Lock() for lane in LANES}
         self._gate_cycles = _GATE_CYCLES  # see _run_gated
         self.last_job_table: PairTable | None = None
         self.last_job_backend: str | None = None
@@ -644,26 +589,56 @@ class TransferEngine:
         size = sum(c * b for c, b in zip(counts, self._bytes_per_block, strict=True))
         if assignment is None:
             assignment = self.policy.assign(direction, counts)
-        job = _Job(job_id, direction, assignment, size, direction if lane is None else lane)
+        job = RunningJob(job_id, direction, assignment, size, direction if lane is None else lane)
         job.checksum = checksum
         job.checksum_algorithm = self.checksum_algorithm
-        with self._lock:
-            if self._closed:
-                return False
-            if job_id in self._active:
-                raise ValueError(f"job id {job_id!r} is already in flight")
-            self._active[job_id] = job
-            self.last_job_table = table
-            self.last_job_assignment = assignment
-            self.last_job_backend = _path_name(assignment)
-            if self.cuda:
-                self._queues[job.lane].append(job)
-                self._run_cuda(job, table)
-                return True
-        self._run_cpu(job, table)
-        return True
+        # The job enters the books with ``self._active[job_id] = job``; from that line on an
+        # interrupt (KeyboardInterrupt, SystemExit) at any later line, this method's or its
+        # callees', must still leave it reported once. Before this try, an interrupt after
+        # that line and before _run_cpu's (the last_job_* lines, _path_name) left it in
+        # _active, never queued nor marked finished: never reported, and wait() on it hung.
+        try:
+            with self._lock:
+                if self._closed:
+                    return False
+                if job_id in self._active:
+                    raise ValueError(f"job id {job_id!r} is already in flight")
+                self._active[job_id] = job
+                self.last_job_table = table
+                self.last_job_assignment = assignment
+                self.last_job_backend = _path_name(assignment)
+                if self.cuda:
+                    self._queues[job.lane].append(job)
+                    self._run_cuda(job, table)
+                    return True
+            self._run_cpu(job, table)
+            return True
+        except BaseException:
+            self._settle_interrupted(job)
+            raise
 
-    def _prepare(self, job: _Job, table: PairTable, stream: Any) -> list[Callable[[], None]]:
+    def _settle_interrupted(self, job: RunningJob) -> None:
+        """After anything escaped ``_submit``: a job that entered the books but was not
+        marked finished (the interrupt landed before that) is failed, queued once and
+        marked finished. Jobs are marked finished only under the lock and get_finished
+        takes only marked ones, so the queue is searched here with no one else taking."""
+        with self._lock:
+            if self._active.get(job.job_id) is not job or job.finished.is_set():
+                return  # never entered the books, or finished (perhaps reported) already
+            job.success = False
+            queue = self._queues[job.lane] if self.cuda else self._finished
+            if not any(queued is job for queued in queue):
+                queue.append(job)
+            job.finished.set()
+        job.holds.release_after(job.end)
+
+    def in_flight(self, job_id: Hashable) -> bool:
+        """Whether ``job_id`` entered the books and was not reported yet (the caller of a
+        submit that raised KeyboardInterrupt or SystemExit learns whether it will be)."""
+        with self._lock:
+            return job_id in self._active
+
+    def _prepare(self, job: RunningJob, table: PairTable, stream: Any) -> list[Callable[[], None]]:
         if job.checksum and self._summer is not None:
             return self._prepare_summed(job, table, stream)
         return [
@@ -671,7 +646,9 @@ class TransferEngine:
             for name, planes in job.assignment
         ]
 
-    def _prepare_summed(self, job: _Job, table: PairTable, stream: Any) -> list[Callable[[], None]]:
+    def _prepare_summed(
+        self, job: RunningJob, table: PairTable, stream: Any
+    ) -> list[Callable[[], None]]:
         """A checksummed job's launches: the copy with the sums fused in when the kernel
         copies the whole job, else the copiers' runs and a read-only device pass over
         the GPU blocks (before a store's copy, after a load's landed); then a read-only
@@ -697,7 +674,7 @@ class TransferEngine:
         return runs + self._summed_tail(job, pages, page_sums, stream)
 
     def _summed_tail(
-        self, job: _Job, pages: JobPages, page_sums: torch.Tensor, stream: Any
+        self, job: RunningJob, pages: JobPages, page_sums: torch.Tensor, stream: Any
     ) -> list[Callable[[], None]]:
         """A checksummed job's launches after its copy: the read-only passes over the
         slots of its rows it does not move and the bytes between the planes' slots,
@@ -723,10 +700,16 @@ class TransferEngine:
             job.checksum_values = page_sums
         return runs
 
-    def _run_cpu(self, job: _Job, table: PairTable) -> None:
+    def _run_cpu(self, job: RunningJob, table: PairTable) -> None:
         """Copy now; the job is reported (queued for get_finished) only after its copy
         returned or failed, and a copy interrupted by any exception, KeyboardInterrupt
-        included, is reported ``success=False`` before the exception propagates."""
+        included, is reported ``success=False`` before the exception propagates.
+
+        An interrupt that lands in the ``finally`` below, before the job was queued and
+        marked finished, reaches ``_submit``'s handler, which does both (once)."""
+        # Failed until its copy returned: an interrupt at any line before ``success`` is
+        # set again, a line of the except clause included, reports it failed.
+        job.success = False
         try:
             with self._copy_locks[job.lane]:
                 runs = self._prepare(job, table, None)
@@ -741,6 +724,7 @@ class TransferEngine:
                         self.pool.numpy(), self.layout, table, self.checksum_algorithm
                     )
                     job.checksum_rows, job.checksum_values = sums.rows, sums.values
+                job.success = True
         except BaseException as error:
             job.success = False
             if isinstance(error, Exception):
@@ -750,11 +734,14 @@ class TransferEngine:
         finally:
             # The copy returned: nothing reads the job's staging any more.
             job.holds.release_after(None)
+            # Queued and marked finished under one hold of the lock: get_finished takes
+            # only marked jobs, so one interrupted between the two lines is not taken
+            # before _submit's handler marks it.
             with self._lock:
                 self._finished.append(job)
-            job.finished.set()
+                job.finished.set()
 
-    def _run_cuda(self, job: _Job, table: PairTable) -> None:
+    def _run_cuda(self, job: RunningJob, table: PairTable) -> None:
         stream = self._streams[job.lane]
         # RAW for stores, WAR for loads: wait for everything the caller's stream
         # enqueued before this submit.
@@ -822,7 +809,9 @@ class TransferEngine:
         """Run one job with a forced assignment and wait for it (calibration); not reported."""
         return self._finish_unreported(self._start_unreported(spec, direction, assignment))
 
-    def _start_unreported(self, spec: JobSpec, direction: int, assignment: Assignment) -> _Job:
+    def _start_unreported(
+        self, spec: JobSpec, direction: int, assignment: Assignment
+    ) -> RunningJob:
         """Enqueue (CUDA) or run (CPU) a job that ``get_finished`` will not report."""
         job_id = ("calibration", object())
         self._submit(job_id, spec, direction, assignment)
@@ -834,7 +823,7 @@ class TransferEngine:
                 self._finished.remove(job)
         return job
 
-    def _finish_unreported(self, job: _Job) -> TransferResult:
+    def _finish_unreported(self, job: RunningJob) -> TransferResult:
         """Wait for a job of :meth:`_start_unreported`; RuntimeError when it failed."""
         if self.cuda:
             job.end.synchronize()
@@ -850,20 +839,30 @@ class TransferEngine:
         """Results of jobs finished since the last call, FIFO per lane; never blocks.
 
         Each accepted job is reported exactly once, and only after its bytes landed
-        (CUDA: its end event completed; CPU: its copy returned).
+        (CUDA: its end event completed; CPU: its copy returned). An interrupt at any line
+        of this call reports nothing and loses nothing: the next call reports them.
         """
-        with self._lock:
-            # Jobs an interrupted call took off the queues come first, in their order.
-            done, self._undelivered = self._undelivered, []
-            if self.cuda:
-                for queue in self._queues.values():
-                    while queue and queue[0].done():
-                        done.append(queue.popleft())
-            else:
-                done.extend(self._finished)
-                self._finished.clear()
-        results = []
+        # Every line that takes jobs off the books runs inside the try, and each takes
+        # them in one assignment (an interrupt lands before it or after it): the handler
+        # puts back exactly what ``done`` holds. Before, the queues were emptied above the
+        # try, and an interrupt on the two lines between lost every job taken.
+        done: list[RunningJob] = []
         try:
+            with self._lock:
+                # Jobs an interrupted call took off the queues come first, in their order.
+                done, self._undelivered = self._undelivered, []
+                # Only jobs marked finished (under this lock): one whose submit was
+                # interrupted before it was marked is settled by that submit first.
+                if self.cuda:
+                    for queue in self._queues.values():
+                        while queue and queue[0].finished.is_set() and queue[0].done():
+                            done.append(queue.popleft())
+                else:
+                    ready = [job for job in self._finished if job.finished.is_set()]
+                    if ready:
+                        rest = deque(job for job in self._finished if not job.finished.is_set())
+                        done, self._finished = done + ready, rest
+            results = []
             for job in done:
                 job.holds.keep_alive.clear()
                 results.append(job.result())
@@ -872,8 +871,7 @@ class TransferEngine:
                     self._active.pop(job.job_id, None)
             return results
         except BaseException:
-            # A KeyboardInterrupt before the return must not lose these jobs: none of
-            # their results reached the caller, so the next call reports them.
+            # None of their results reached the caller: the next call reports them.
             with self._lock:
                 self._undelivered = done + self._undelivered
                 self._active.update((job.job_id, job) for job in done)

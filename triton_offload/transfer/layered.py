@@ -30,10 +30,11 @@ import torch
 
 from triton_offload.transfer.checksums import host_checksums, job_pages
 from triton_offload.transfer.copiers import PageSums
+from triton_offload.transfer.job_state import EXPEDITED_LOAD, RunningJob
 from triton_offload.transfer.jobs import FROM_POOL, TO_POOL, JobSpec, PairTable
 
 if TYPE_CHECKING:
-    from triton_offload.transfer.engine import TransferEngine, _Job
+    from triton_offload.transfer.engine import TransferEngine
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +146,11 @@ def _stage_assignment(assignment: Any, stage: tuple[int, ...], num_planes: int) 
 
 
 def _job_runs(
-    engine: TransferEngine, job: _Job, table: PairTable, stages: list[tuple[int, ...]], stream: Any
+    engine: TransferEngine,
+    job: RunningJob,
+    table: PairTable,
+    stages: list[tuple[int, ...]],
+    stream: Any,
 ) -> tuple[list[list[Callable[[], None]]], list[Callable[[], None]]]:
     """(runs of each stage, runs after the last stage) of one job."""
     num_planes = len(engine.layout.planes)
@@ -202,15 +207,15 @@ def submit_layered(
 ) -> LayeredLoad:
     """Validate every job, then enqueue (CUDA) or start (CPU, on a thread) them stage by
     stage; see the module docstring. The engine's lock is held by the caller."""
-    from triton_offload.transfer.engine import EXPEDITED_LOAD, _Job
-
     checked = check_stages(stages, len(engine.layout.planes))
-    made: list[tuple[_Job, PairTable]] = []
+    made: list[tuple[RunningJob, PairTable]] = []
     for job_id, spec in jobs:
         table = engine.build_job_table(spec, FROM_POOL)
         counts = [blocks.size for blocks in spec.gpu_blocks]
         size = sum(c * b for c, b in zip(counts, engine._bytes_per_block, strict=True))
-        job = _Job(job_id, FROM_POOL, engine.policy.assign(FROM_POOL, counts), size, EXPEDITED_LOAD)
+        job = RunningJob(
+            job_id, FROM_POOL, engine.policy.assign(FROM_POOL, counts), size, EXPEDITED_LOAD
+        )
         job.checksum = checksum
         job.checksum_algorithm = engine.checksum_algorithm
         made.append((job, table))
@@ -218,19 +223,35 @@ def submit_layered(
         tuple(job.job_id for job, _ in made), len(checked), engine.cuda, engine.device
     )
     handle._jobs = [job for job, _ in made]
-    for job, _ in made:
-        engine._active[job.job_id] = job
-    if engine.cuda:
-        _enqueue_cuda(engine, made, checked, handle)
-    else:
+    if not engine.cuda:
         handle.events = [threading.Event() for _ in checked]
-        thread = threading.Thread(
-            target=_run_cpu,
-            args=(engine, made, checked, handle),
-            name="triton-offload-layered-load",
-            daemon=True,
-        )
-        thread.start()
+    # From the first job entering the books, an interrupt (KeyboardInterrupt, SystemExit)
+    # at any line must still leave every job reported once: the jobs not yet marked
+    # finished are failed, queued and marked here, and every wait is released. On CPU
+    # the copy thread marks them itself under the same lock and skips jobs settled
+    # first, so a thread that did start never reports one twice.
+    try:
+        for job, _ in made:
+            engine._active[job.job_id] = job
+        if engine.cuda:
+            _enqueue_cuda(engine, made, checked, handle)
+        else:
+            thread = threading.Thread(
+                target=_run_cpu,
+                args=(engine, made, checked, handle),
+                name="triton-offload-layered-load",
+                daemon=True,
+            )
+            thread.start()
+    except BaseException:
+        handle.fail_all()
+        for job, _ in made:
+            engine._settle_interrupted(job)
+        if not engine.cuda:
+            for event in handle.events:
+                event.set()
+            handle._ended.set()
+        raise
     return handle
 
 
@@ -283,10 +304,12 @@ def _enqueue_cuda(
 def _run_cpu(
     engine: TransferEngine, made: list[Any], stages: list[tuple[int, ...]], handle: LayeredLoad
 ) -> None:
-    from triton_offload.transfer.engine import EXPEDITED_LOAD
-
     start = time.perf_counter()
     try:
+        with engine._lock:
+            settled = any(job.finished.is_set() for job, _ in made)
+        if settled:
+            return  # the submit was interrupted and failed the jobs: copy nothing
         with engine._copy_locks[EXPEDITED_LOAD]:
             prepared = [_job_runs(engine, job, table, stages, None) for job, table in made]
             for number in range(len(stages)):
@@ -304,6 +327,8 @@ def _run_cpu(
         elapsed = time.perf_counter() - start
         with engine._lock:
             for job, _ in made:
+                if job.finished.is_set():
+                    continue  # settled by an interrupted submit, reported from there
                 job.transfer_time = elapsed
                 job.holds.release_after(None)
                 engine._finished.append(job)

@@ -148,7 +148,13 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
         self._replica_jobs: dict[Any, tuple[Any, float]] = {}
         self.replicated_store_timeout_s = replicated_store_timeout_s
         self._empty_jobs: list[Any] = []  # jobs that move nothing on this worker
-        self._ready: list[Any] = []  # engine results drained by wait()
+        # Reports not yet returned by get_finished, by job id: judged engine results
+        # (sealed stores, verified loads) and replicated stores. A job leaves the books
+        # above only after its report is here, and get_finished empties it in one line.
+        self._ready: dict[Any, Any] = {}
+        # Engine results taken from the engine and not yet judged (an interrupt while
+        # judging them leaves them here for the next drain).
+        self._pending: list[Any] = []
         #: Seals this worker's pages (None: verification off, or nothing to seal).
         self.sealer = sealer
         self._planes_note = planes_note  # this worker's published planes (tiering spec)
@@ -209,6 +215,7 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
             self._engine_jobs
             | set(self._replica_jobs)
             | {result.job_id for result in self._empty_jobs}
+            | set(self._ready)
         )
 
     # --------------------------------------------------------------- submit
@@ -270,26 +277,35 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
 
         checksum = self.sealer is not None
         return self._engine_submit(
-            lambda: self.engine.submit_store(job_id, job, checksum=checksum), register, unregister
+            job_id,
+            lambda: self.engine.submit_store(job_id, job, checksum=checksum),
+            register,
+            unregister,
         )
 
-    @staticmethod
-    def _engine_submit(submit: Any, register: Any, unregister: Any) -> bool:
+    def _engine_submit(self, job_id: Any, submit: Any, register: Any, unregister: Any) -> bool:
         """Submit with the job's books opened first: a job the engine took and then lost
         to an interrupt is still reported (failed) and still counts as in flight, so a
         caller that re-submits it after the interrupt is told so instead of starting it
-        twice. A refused or invalid job leaves no books."""
-        register()
+        twice. A refused or invalid job leaves no books.
+
+        Every line is inside the try: an interrupt while the books are opened (in
+        ``register``), before the engine took the job, or after it refused it, used to
+        leave books for a job the engine never reports (never reported, its id refused
+        as in flight forever, ``wait`` on it an error). Whether the books stay is the
+        engine's answer to ``in_flight``: it reports exactly the jobs in its books."""
         try:
-            accepted = bool(submit())
-        except (KeyboardInterrupt, SystemExit):
-            raise  # the engine reports the job failed: its books wait for that result
+            register()
+            if submit():
+                return True
+            unregister()
+            return False
         except BaseException:
-            unregister()
+            # Refused before the engine's books (bad input) or lost to an interrupt
+            # before them: no report will come, so no books.
+            if not self.engine.in_flight(job_id):
+                unregister()
             raise
-        if not accepted:
-            unregister()
-        return accepted
 
     def _load(self, job_id: Any, src_spec: Any, gpu: tuple[str, Any], expedited: Any) -> bool:
         if self._closed:
@@ -314,6 +330,7 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
             self._loads.pop(job_id, None)
 
         return self._engine_submit(
+            job_id,
             lambda: self.engine.submit_load(
                 job_id, job, expedited=bool(expedited), checksum=checksum
             ),
@@ -341,23 +358,30 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
             chunks = JobChunks.of(job, spec_keys(src_spec)) if self.sealer is not None else None
             specs.append((job_id, job))
             books.append((job_id, job, chunks))
-        for job_id, job, chunks in books:
-            self._engine_jobs.add(job_id)
-            self._loads[job_id] = (job, chunks)
+        # Books opened first and closed only for jobs the engine does not hold, as in
+        # _engine_submit: an interrupt after the engine took the jobs leaves their books,
+        # so their (failed) reports reach vLLM as loads.
         try:
+            for job_id, job, chunks in books:
+                self._engine_jobs.add(job_id)
+                self._loads[job_id] = (job, chunks)
             handle = self.engine.submit_layered_loads(
                 specs, stages, checksum=self.sealer is not None
             )
+            if handle is not None:
+                return handle
         except BaseException:
-            for job_id, _, _ in books:
-                self._engine_jobs.discard(job_id)
-                self._loads.pop(job_id, None)
+            held = [job_id for job_id, _, _ in books if self.engine.in_flight(job_id)]
+            self._close_books(job_id for job_id, _, _ in books if job_id not in held)
             raise
-        if handle is None:
-            for job_id, _, _ in books:
-                self._engine_jobs.discard(job_id)
-                self._loads.pop(job_id, None)
-        return handle
+        self._close_books(job_id for job_id, _, _ in books)
+        return None
+
+    def _close_books(self, job_ids: Iterable[Any]) -> None:
+        """Forget load jobs the engine never took (refused, or shut down)."""
+        for job_id in job_ids:
+            self._engine_jobs.discard(job_id)
+            self._loads.pop(job_id, None)
 
     def _verify_load(self, chunks: JobChunks, checksums: Any) -> list[tuple[int, int, Any, str]]:
         """The chunks of a finished load whose page on this worker fails its seal:
@@ -385,8 +409,9 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
 
     def _load_result(self, result: Any) -> Any:
         """The vLLM result of a finished load: failed unless every chunk verified and
-        the copy succeeded; what failed is named per group."""
-        job, chunks = self._loads.pop(result.job_id)
+        the copy succeeded; what failed is named per group. Changes no books (the
+        verdict may be computed again after an interrupt)."""
+        job, chunks = self._loads[result.job_id]
         bad: list[tuple[int, int, Any, str]] = []
         if result.success and chunks is not None:
             bad = self._verify_load(chunks, result.checksums)
@@ -417,8 +442,9 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
 
     def _seal_store(self, result: Any) -> bool:
         """Seal a finished store's chunks from the checksums its copy computed (only a
-        successful copy is sealed); headers only, one batch."""
-        chunks = self._to_seal.pop(result.job_id, None)
+        successful copy is sealed); headers only, one batch. Changes no books: sealing
+        again after an interrupt writes the same headers."""
+        chunks = self._to_seal.get(result.job_id)
         if chunks is None or not result.success:
             return bool(result.success)
         assert self.sealer is not None
@@ -444,27 +470,48 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
     # --------------------------------------------------------------- finish
 
     def _drain_engine(self) -> None:
+        """Move the engine's finished jobs into ``_ready``, judged (stores sealed, loads
+        verified).
+
+        Restartable at any line: the engine's results enter the worker's books in one
+        line (``_pending``), each is judged without changing the books, its report is
+        queued by one assignment and only then does the job leave the books. Before, the
+        results were held by the loop alone and ``_load_result`` / ``_seal_store`` took
+        the job off the books first, so an interrupt while sealing a store or verifying
+        a load lost every job the engine had handed over in that call.
+        """
         if self.engine is None:
             return
-        for result in self.engine.get_finished():
-            if result.job_id in self._loads:
-                report = self._load_result(result)
-            else:
-                success = self._seal_store(result)
-                report = TransferResult(
-                    job_id=result.job_id,
-                    success=success,
-                    transfer_size=result.transfer_size,
-                    transfer_time=result.transfer_time,
-                )
-                chunks = self._published.pop(result.job_id, None)
-                if chunks is not None:
-                    # The copy is complete, sealed and visible to the host: tell the
-                    # other ranks (a failed store is published as failed).
-                    self.ledger.publish(chunks, int(result.job_id), success)
-            # Queued before the job leaves the books: an interrupt between loses nothing.
-            self._ready.append(report)
-            self._engine_jobs.discard(result.job_id)
+        self._pending += self.engine.get_finished()
+        for result in self._pending:
+            if result.job_id not in self._ready:
+                self._ready[result.job_id] = self._judged(result)
+            self._forget(result.job_id)  # again after an interrupt: idempotent
+        self._pending = []
+
+    def _judged(self, result: Any) -> Any:
+        """The vLLM report of a finished engine job; changes no books."""
+        if result.job_id in self._loads:
+            return self._load_result(result)
+        success = self._seal_store(result)
+        chunks = self._published.get(result.job_id)
+        if chunks is not None:
+            # The copy is complete, sealed and visible to the host: tell the other
+            # ranks (a failed store is published as failed; again after an interrupt).
+            self.ledger.publish(chunks, int(result.job_id), success)
+        return TransferResult(
+            job_id=result.job_id,
+            success=success,
+            transfer_size=result.transfer_size,
+            transfer_time=result.transfer_time,
+        )
+
+    def _forget(self, job_id: Any) -> None:
+        """Take a reported engine job off the books (its report is queued)."""
+        self._engine_jobs.discard(job_id)
+        self._loads.pop(job_id, None)
+        self._to_seal.pop(job_id, None)
+        self._published.pop(job_id, None)
 
     def _collect_replicas(self) -> None:
         now = time.monotonic()
@@ -482,22 +529,33 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
                 status = False
             if status is not None:
                 # This rank moved no byte: size and time 0 keep vLLM's store
-                # throughput metrics to the writer's real copies. Queued before the
-                # job leaves the books, so an interrupt between the two loses nothing.
-                self._ready.append(TransferResult(job_id, status, 0, 0.0))
+                # throughput metrics to the writer's real copies. Queued (by id: again
+                # after an interrupt, the same entry) before the job leaves the books.
+                self._ready[job_id] = TransferResult(job_id, status, 0, 0.0)
                 del self._replica_jobs[job_id]
 
     def get_finished(self) -> list[Any]:
         self._drain_engine()
         if self._replica_jobs:
             self._collect_replicas()
-        # One assignment hands the results over: an interrupt before it keeps them all.
-        results, self._empty_jobs, self._ready = self._empty_jobs + self._ready, [], []
-        return results
+        # The hand-over: an interrupt on either line (the second's lands before its
+        # return) gave the caller nothing, so the books get every report back. Before,
+        # the one-line hand-over was followed by ``return results``: an interrupt there
+        # lost them all.
+        empty, ready = self._empty_jobs, self._ready
+        try:
+            self._empty_jobs, self._ready = [], {}
+            return [*empty, *ready.values()]
+        except BaseException:
+            self._empty_jobs, self._ready = empty, ready
+            raise
 
     def wait(self, job_ids: Iterable[int]) -> None:
         ids = list(job_ids)
-        engine_ids = [job_id for job_id in ids if job_id in self._engine_jobs]
+        # Jobs the engine handed over (and an interrupted drain left unjudged) are no
+        # longer the engine's to wait for: it would refuse their ids.
+        drained = {result.job_id for result in self._pending}
+        engine_ids = [i for i in ids if i in self._engine_jobs and i not in drained]
         if engine_ids:
             self.engine.wait(engine_ids)
             self._drain_engine()
