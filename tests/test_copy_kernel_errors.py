@@ -265,6 +265,8 @@ def test_pool_that_does_not_fit() -> None:
     pool = torch.zeros(ROWS, BPC * 32, dtype=torch.uint8)
     with pytest.raises(ValueError, match="num_programs 0 must be >= 1"):
         copy_blocks(layout, pairs, offsets, pool, Direction.TO_POOL, num_programs=0)
+    with pytest.raises(ValueError, match="num_programs 65537 must be at most 65536"):
+        copy_blocks(layout, pairs, offsets, pool, Direction.TO_POOL, num_programs=65537)
 
 
 @pytest.mark.parametrize("direction", list(Direction))

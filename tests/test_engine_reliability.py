@@ -53,6 +53,8 @@ def random_tensor(*shape: int, seed: int = 0) -> torch.Tensor:
         (True, TypeError, r"num_programs must be an int, got True"),
         (0, ValueError, r"num_programs 0 must be >= 1"),
         (-3, ValueError, r"num_programs -3 must be >= 1"),
+        # Beyond CUDA's grid x limit: accepted, then every job failed at launch.
+        (2**31, ValueError, r"num_programs 2147483648 must be at most 65536"),
     ],
 )
 @pytest.mark.parametrize("backend", ["torch", "triton"])

@@ -351,6 +351,16 @@ def test_replicated_layout_keeps_one_copy_per_chunk(
         ({"crossover": {"store": 4096, "load": "big"}}, r"\['crossover'\]\['load'\].*'big'"),
         ({"crossover": {"store": -1, "load": 0}}, r"\['crossover'\]\['store'\] -1 must be"),
         ({"canonical_layout": True}, "canonical_layout"),
+        # Every job failed at launch with 2**31 programs (beyond a CUDA grid's x limit).
+        ({"num_programs": 2**31}, r"num_programs.*2147483648.*at most 65536"),
+        # JSON's Infinity: int(inf) raised an OverflowError naming no key.
+        ({"cpu_bytes_to_use": float("inf")}, r"\['cpu_bytes_to_use'\].*inf"),
+        ({"cpu_bytes_to_use": float("nan")}, r"\['cpu_bytes_to_use'\].*nan"),
+        # A misspelt key was ignored: sealing stayed on, the layout stock, the backend auto.
+        ({"verify_chunk": False}, r"'verify_chunk'.*did you mean 'verify_chunks'"),
+        ({"cannonical_layout": True}, r"'cannonical_layout'.*did you mean 'canonical_layout'"),
+        ({"backnd": "torch"}, r"'backnd'.*did you mean 'backend'"),
+        ({"zzzz": 1}, r"'zzzz' is not a key.*known keys: .*verify_chunks"),
     ],
 )
 def test_bad_extra_config_is_rejected(tv: Any, extra: dict[str, Any], match: str) -> None:

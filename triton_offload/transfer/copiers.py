@@ -45,6 +45,25 @@ from triton_offload.transfer.layout import CacheLayout, check_int, check_pool_pl
 #: for the oldest buffer's job to finish before reusing it.
 MAX_STAGING_BUFFERS = 64
 
+#: The most programs a copy-kernel grid may have. The kernel is persistent (each program
+#: walks items with a grid stride), so programs beyond the items only start and exit;
+#: the launcher's default is a few per SM (a few hundred on the largest GPUs). 2**31
+#: programs exceed CUDA's grid x limit and failed every job at launch.
+MAX_NUM_PROGRAMS = 1 << 16
+
+
+def check_num_programs(value: object, name: str = "num_programs") -> int:
+    """``value`` as a grid size in ``[1, MAX_NUM_PROGRAMS]``; TypeError/ValueError naming
+    ``name`` and the value otherwise."""
+    programs = check_int(name, value, 1)
+    if programs > MAX_NUM_PROGRAMS:
+        raise ValueError(
+            f"{name} {programs} must be at most {MAX_NUM_PROGRAMS} (the copy kernel is "
+            "persistent: more programs than items only start and exit)"
+        )
+    return programs
+
+
 #: Planes a copier is asked to move: indices into ``layout.planes`` (sorted), or None
 #: for all of them.
 PlaneSubset = tuple[int, ...] | None
@@ -720,7 +739,7 @@ def copy_blocks(
     check_pool_placement(pool, layout)
     validate_pairs(layout, pool.size(0), pairs, group_offsets, direction)
     if num_programs is not None:
-        num_programs = check_int("num_programs", num_programs, 1)
+        num_programs = check_num_programs(num_programs)
     kernels = load_kernels("triton", layout.device.type == "cuda")
     stride = int(pool.stride(0)) if pool.size(0) > 1 else int(pool.size(1))
     whole = PairTable(_host_table(pairs), _host_table(group_offsets))
@@ -745,6 +764,7 @@ def _host_table(values: Any) -> np.ndarray:
 
 
 __all__ = [
+    "MAX_NUM_PROGRAMS",
     "MAX_STAGING_BUFFERS",
     "Copier",
     "DmaCopier",
@@ -754,6 +774,7 @@ __all__ = [
     "PageSums",
     "StagingRing",
     "TritonCopier",
+    "check_num_programs",
     "check_tile_bytes",
     "copy_blocks",
     "kernel_tables",

@@ -79,6 +79,7 @@ from triton_offload.transfer.copiers import (
     HostCopier,
     PageSums,
     TritonCopier,
+    check_num_programs,
     load_kernels,
 )
 from triton_offload.transfer.job_state import (
@@ -284,7 +285,7 @@ class TransferEngine:
         if num_programs is not None:
             # Checked on every backend: 0 or -3 launched an empty grid on the kernel path
             # (every job "succeeded", nothing moved) and "4" failed every job later.
-            num_programs = check_int("num_programs", num_programs, 1)
+            num_programs = check_num_programs(num_programs)
         #: Pool rows the calibration may overwrite (see ``calibration_rows``).
         self.calibration_rows: range = calibration_slice(calibration_rows, num_host_blocks)
         if not isinstance(plan, OffloadPlan):

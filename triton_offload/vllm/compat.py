@@ -26,6 +26,34 @@ CONNECTOR_NAME = "TritonOffloadingConnector"
 #: The module path every registered name resolves through (the README's configs name it).
 MODULE_PATH = "triton_offload.vllm"
 
+#: The top-level ``kv_connector_extra_config`` keys vLLM's offloading code reads, per
+#: supported release (its CPU and tiering specs, the spec factory, the offloading
+#: connector's config and scheduler). A secondary tier's own keys sit inside its
+#: ``secondary_tiers`` entry and are not listed. ``tests/test_vllm_options.py`` scans the
+#: installed vLLM for the keys it reads and fails when a release adds one.
+_VLLM_KEYS_0_33 = (
+    "backpressure",
+    "block_size",
+    "blocks_per_chunk",
+    "cache_policy_module_path",
+    "canonical_layout",
+    "cpu_bytes_to_use",
+    "eviction_policy",
+    "max_tracker_size",
+    "offload_prompt_only",
+    "secondary_tiers",
+    "self_describing_kv_events",
+    "spec_module_path",
+    "spec_name",
+    "store_threshold",
+    "sync_load_budget_bytes",
+    "tier_poll_interval_s",
+)
+VLLM_EXTRA_CONFIG_KEYS: dict[tuple[int, int], tuple[str, ...]] = {
+    (0, 33): _VLLM_KEYS_0_33,
+    (0, 34): _VLLM_KEYS_0_33,  # 0.34.0 reads the same keys (scanned)
+}
+
 # vLLM attaches its handler to the "vllm" logger only (and stops propagation there), so
 # a message meant for vLLM's log must come from a logger below it.
 logger = logging.getLogger("vllm.triton_offload")

@@ -2,15 +2,20 @@
 
 vLLM's own keys (``cpu_bytes_to_use``, ``blocks_per_chunk`` ...) are read by vLLM's spec;
 :func:`validate_cpu_bytes` only checks the one whose wrong value would otherwise be
-reported far from its cause. Every error names the key and the value.
+reported far from its cause. Every error names the key and the value. A key that
+neither this backend nor the installed vLLM reads is an error naming the closest known
+key (:func:`check_known_keys`): a misspelt ``verify_chunks`` silently left sealing on.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import difflib
+import math
+from collections.abc import Iterable, Mapping
 from typing import Any
 
+from triton_offload.transfer.copiers import check_num_programs
 from triton_offload.transfer.engine import Backend
 from triton_offload.transfer.jobs import FROM_POOL, TO_POOL
 from triton_offload.transfer.selection import parse_crossover
@@ -94,7 +99,10 @@ class EngineOptions:
             )
         num_programs = extra.get("num_programs")
         if num_programs is not None:
-            num_programs = _positive_int("num_programs", num_programs)
+            _positive_int("num_programs", num_programs)
+            num_programs = check_num_programs(
+                num_programs, "kv_connector_extra_config['num_programs']"
+            )
         crossover = _crossover_option(extra.get("crossover"))
         timeout = extra.get("replicated_store_timeout_s", cls.replicated_store_timeout_s)
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
@@ -137,10 +145,13 @@ def validate_cpu_bytes(extra: Mapping[str, Any]) -> None:
             "kv_connector_extra_config['cpu_bytes_to_use'] (host bytes for all "
             f"workers together) must be given as a positive integer, got {cpu_bytes!r}"
         )
-    try:
-        value = int(cpu_bytes)
-    except ValueError:
-        value = 0
+    if isinstance(cpu_bytes, float) and not math.isfinite(cpu_bytes):
+        value = 0  # JSON's Infinity: int() raised an OverflowError naming no key
+    else:
+        try:
+            value = int(cpu_bytes)
+        except ValueError:
+            value = 0
     if value < 1:
         raise ValueError(
             "kv_connector_extra_config['cpu_bytes_to_use'] must be a positive "
@@ -148,4 +159,26 @@ def validate_cpu_bytes(extra: Mapping[str, Any]) -> None:
         )
 
 
-__all__ = ["BACKENDS", "EXTRA_CONFIG_KEYS", "EngineOptions", "validate_cpu_bytes"]
+def check_known_keys(extra: Mapping[str, Any], vllm_keys: Iterable[str], release: str) -> None:
+    """ValueError naming the first key of ``extra`` that neither this backend
+    (``EXTRA_CONFIG_KEYS``) nor vLLM ``release`` (``vllm_keys``) reads, and the closest
+    known key, or every known key when none is close."""
+    known = sorted({*EXTRA_CONFIG_KEYS, *vllm_keys})
+    for key in extra:
+        if key in known:
+            continue
+        close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]!r}?" if close else "known keys: " + ", ".join(known)
+        raise ValueError(
+            f"kv_connector_extra_config[{key!r}]: {key!r} is not a key of triton_offload "
+            f"or of vLLM {release}'s offloading; {hint}"
+        )
+
+
+__all__ = [
+    "BACKENDS",
+    "EXTRA_CONFIG_KEYS",
+    "EngineOptions",
+    "check_known_keys",
+    "validate_cpu_bytes",
+]

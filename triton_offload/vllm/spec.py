@@ -86,7 +86,14 @@ from triton_offload.transfer.seal import (
     layout_description,
 )
 from triton_offload.vllm.canonical import canonical_cache_layout
-from triton_offload.vllm.compat import VLLM_0_34, logger, supported_vllm_api, vllm_release
+from triton_offload.vllm.compat import (
+    VLLM_0_34,
+    VLLM_EXTRA_CONFIG_KEYS,
+    installed_vllm_version,
+    logger,
+    supported_vllm_api,
+    vllm_release,
+)
 from triton_offload.vllm.convert import caches_from_canonical, plan_from_offloading_config
 from triton_offload.vllm.integrity import (
     ChunkGuard,
@@ -95,7 +102,7 @@ from triton_offload.vllm.integrity import (
     host_manager,
 )
 from triton_offload.vllm.internals import check_vllm_internals
-from triton_offload.vllm.options import EngineOptions, validate_cpu_bytes
+from triton_offload.vllm.options import EngineOptions, check_known_keys, validate_cpu_bytes
 from triton_offload.vllm.planning import warn_stock_lookup_hazards
 from triton_offload.vllm.region import (
     RegionPlan,
@@ -170,6 +177,7 @@ class TritonWorkerSide:
                 "CUDA's; use vLLM's CPUOffloadingSpec on ROCm"
             )
         extra = config.extra_config
+        check_known_keys(extra, VLLM_EXTRA_CONFIG_KEYS[vllm_release()], installed_vllm_version())
         validate_cpu_bytes(extra)
         requested = bool(config.canonical_layout or extra.get("canonical_layout"))
         if requested and not self._honours_canonical_layout:
