@@ -105,3 +105,23 @@ def test_triton_backend_after_a_compiled_kernel_import_is_one_line(
     )
     err = refused(capsys, "--backend", "triton", "--preset", "mamba-tiny")
     assert err.startswith("triton-offload verify: error: --backend triton: the kernels need")
+
+
+def test_a_typo_is_refused_before_torch_is_imported() -> None:
+    """Flags are parsed before anything imports torch (a typo took 6-7 s to refuse):
+    with torch hidden from a real subprocess the refusal is still the usage line."""
+    import subprocess
+    import sys
+
+    shim = (
+        "import sys; sys.modules['torch'] = None\n"
+        "from triton_offload.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    for argv in (["verify", "--presett", "x"], ["verify", "--inject", "nothing-known"]):
+        done = subprocess.run(
+            [sys.executable, "-c", shim, *argv], capture_output=True, text=True, check=False
+        )
+        assert done.returncode == 2, done.stderr
+        assert "Traceback" not in done.stderr and "needs torch" not in done.stderr, done.stderr
+        assert argv[1] in done.stderr, done.stderr

@@ -77,6 +77,11 @@ _INSTALL_HINTS = {
 }
 
 
+def install_hint(package: str) -> str:
+    """How to install ``package`` (``"triton"`` or ``"torch"``)."""
+    return _INSTALL_HINTS[package]
+
+
 def _missing_dependency(error: ModuleNotFoundError) -> str | None:
     """The top-level package of a missing dependency we can give a hint for, or None."""
     top = (error.name or "").split(".")[0]

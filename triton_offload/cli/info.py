@@ -7,6 +7,7 @@ crossover the start-up calibration measured (CUDA only).
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.metadata
 import platform
 
@@ -58,16 +59,31 @@ def calibration_report() -> list[str]:
         engine.shutdown()
 
 
-def run(args: argparse.Namespace) -> int:
-    import torch
-    import triton
+def _version_or_problem(name: str) -> str:
+    """The imported package's version, or why it does not import and how to install it:
+    ``info`` is the diagnostic, so a missing dependency is a line of its report, never
+    the end of it."""
+    from triton_offload.cli import install_hint
 
+    try:
+        module = importlib.import_module(name)
+    except ImportError as error:
+        return f"not importable ({error}); install: {install_hint(name)}"
+    return str(getattr(module, "__version__", "unknown"))
+
+
+def run(args: argparse.Namespace) -> int:
     from triton_offload import __version__
 
     print(f"triton_offload  {__version__}")
     print(f"python          {platform.python_version()}")
-    print(f"torch           {torch.__version__}")
-    print(f"triton          {triton.__version__}")
+    torch_version = _version_or_problem("torch")
+    print(f"torch           {torch_version}")
+    print(f"triton          {_version_or_problem('triton')}")
+    if torch_version.startswith("not importable"):
+        return 1  # nothing below runs without torch (the line above says how to get it)
+    import torch
+
     cuda = torch.cuda.is_available()
     print(f"cuda available  {cuda}")
     if cuda:

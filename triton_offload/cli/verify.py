@@ -75,7 +75,7 @@ MAX_REQUEST_TOKENS = 4096
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
-    from triton_offload.verify.serving import INJECTIONS
+    from triton_offload.verify.injections import INJECTIONS
 
     names = preset_names("verify")
     parser.add_argument(

@@ -52,7 +52,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-# The planner and the data path only: the loop is what an engine integration would write.
 from triton_offload.planner.groups import GroupKind, GroupSpec, ParallelSpec
 from triton_offload.planner.plan import OffloadPlan, plan_offload
 from triton_offload.planner.presets import PRESETS as MODEL_PRESETS
@@ -67,6 +66,9 @@ from triton_offload.transfer.seal import (
     key_digest,
     layout_description,
 )
+
+# The planner and the data path only: the loop is what an engine integration would write.
+from triton_offload.verify.injections import INJECTIONS
 from triton_offload.verify.model import HybridCache, HybridModel, ModelConfig, RequestBlocks
 from triton_offload.verify.stock_lookup import stock_groups, vllm_stock_hit
 
@@ -87,13 +89,6 @@ __all__ = [
     "run_scenarios",
 ]
 
-INJECTIONS = (
-    "mamba-span-dcp",
-    "no-mamba-round-down",
-    "wrong-slot",
-    "vllm-lookup",
-    "no-seal-check",
-)
 
 #: Model presets: layer stacks of the verification model, the ``-tiny`` presets of the
 #: package's preset table (``mamba-hybrid-tiny``: full attention + Mamba, the DCP/Mamba
