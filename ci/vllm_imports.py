@@ -25,6 +25,7 @@ MODULES = (
     "vllm.v1.kv_offload.cpu.gpu_worker",
     "vllm.v1.kv_offload.cpu.shared_offload_region",
     "vllm.v1.kv_offload.tiering.spec",
+    "vllm.v1.kv_offload.tiering.fs.manager",
     "vllm.distributed.kv_transfer.kv_connector.v1.offloading.config",
     "vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker",
     "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler",

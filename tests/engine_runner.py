@@ -8,7 +8,8 @@ to ``spec["out"]``:
 
 - ``{"generate": NAME, "prompts": [[ids...], ...]}``: greedy generation of every prompt
   in one batch; records tokens, each token's logprob and finish reason, and the
-  engine's counters after the step (``metrics``);
+  engine's counters after the step (``metrics``; triton_offload's own, per label set:
+  ``triton_counters``);
 - ``{"reset": true}``: ``reset_prefix_cache()`` (the device prefix cache only);
 - ``{"corrupt": true}``: damages the first payload bytes of every sealed page of this
   engine's host region (vLLM's ``/dev/shm/vllm_offload_*`` file, opened through this
@@ -50,6 +51,26 @@ def counters(llm: Any) -> dict[str, float]:
                 value = getattr(metric, "sum", 0.0)
             totals[metric.name] += float(value)
     return totals
+
+
+#: The prefix of triton_offload's own counters in vLLM's metrics.
+TRITON_PREFIX = "vllm:triton_offload_"
+#: Labels every metric of the engine carries (left out of the names below).
+ENGINE_LABELS = ("engine", "model_name")
+
+
+def triton_counters(llm: Any) -> dict[str, float]:
+    """triton_offload's counters in ``LLM.get_metrics()``, one entry per label set, named
+    ``name{label=value,...}`` (labels sorted, the engine's own left out)."""
+    found: dict[str, float] = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith(TRITON_PREFIX):
+            labels = ",".join(
+                f"{k}={v}" for k, v in sorted(metric.labels.items()) if k not in ENGINE_LABELS
+            )
+            name = f"{metric.name}{{{labels}}}"
+            found[name] = found.get(name, 0.0) + float(metric.value)
+    return found
 
 
 def generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> list[dict[str, Any]]:
@@ -102,14 +123,19 @@ def corrupt_region(files: list[str]) -> int:
 
     A page starts on an OS page boundary (vLLM's rows are rounded up to it, and worker
     0's page starts its row); the page of a seal is the boundary below it whose first
-    ``payload_bytes`` bytes match the seal's checksum.
+    ``payload_bytes`` bytes match the seal's checksum (by the algorithm the seal names).
     """
     import mmap
-    import zlib
 
     import numpy as np
 
-    from triton_offload.transfer.seal import SEAL_BYTES, SEAL_MAGIC, Seal, read_seal
+    from triton_offload.transfer.seal import (
+        SEAL_BYTES,
+        SEAL_MAGIC,
+        Seal,
+        page_checksum,
+        read_seal,
+    )
 
     flipped = 0
     for path in files:
@@ -123,9 +149,8 @@ def corrupt_region(files: list[str]) -> int:
                     if isinstance(seal, Seal) and seal.payload_bytes > 0:
                         start = (position - seal.payload_bytes) // mmap.PAGESIZE * mmap.PAGESIZE
                         while start >= 0:
-                            if zlib.crc32(data[start : start + seal.payload_bytes]) == (
-                                seal.payload_crc
-                            ):
+                            payload = data[start : start + seal.payload_bytes]
+                            if page_checksum(payload, seal.algorithm) == seal.payload_checksum:
                                 # 16 bytes: whole values of any dtype (exponents too)
                                 for offset in range(min(16, seal.payload_bytes)):
                                     data[start + offset] ^= 0x5A
@@ -200,6 +225,7 @@ def main(spec_path: str) -> None:
                 report["steps"][step["generate"]] = {
                     "outputs": outputs,
                     "metrics": counters(llm),
+                    "triton_counters": triton_counters(llm),
                 }
             elif "reset" in step:
                 report["reset"] = bool(llm.reset_prefix_cache())

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 import subprocess
 import sys
 from typing import Any
@@ -346,7 +347,7 @@ def test_failed_loads_recompute(engines: Engines) -> None:
     assert report["corrupted"] > 0
     _assert_same(report, "corrupt")
     _assert_same(report, "copy")
-    assert "refused before loading" in report["log"]
+    assert "failed verification" in report["log"]  # the worker refused the chunk
     assert "test: the copy from the host pool failed" in report["log"]
     for step in ("corrupt", "copy"):
         assert _delta(report, step, None, "external_prefix_cache_queries") > 0
@@ -366,12 +367,46 @@ def test_failed_loads_fail_the_request_only(engines: Engines) -> None:
         assert failed["finish_reason"] == "error", step
         assert beside["finish_reason"] == "length", step
         assert len(beside["tokens"]) == 8
-    assert "refused before loading" in report["log"]
+    assert "failed verification" in report["log"]  # the worker refused the chunk
     assert "test: the copy from the host pool failed" in report["log"]
     for step in ("after_corrupt", "after_copy"):
         (served,) = _outputs(report, step)
         assert served["finish_reason"] == "length", step
         assert len(served["tokens"]) == 8
+
+
+def _triton(report: dict[str, Any], step: str, name: str, **labels: str) -> float:
+    """A triton_offload counter in ``LLM.get_metrics()`` after ``step`` (0: not there)."""
+    text = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+    return report["steps"][step]["triton_counters"].get(f"vllm:triton_offload_{name}{{{text}}}", 0)
+
+
+@pytest.mark.slow
+def test_this_backends_counters_reach_get_metrics(engines: Engines) -> None:
+    """``LLM.get_metrics()`` (stats logging on) shows the ``vllm:triton_offload_*``
+    counters: each copy path's jobs and bytes; after a corrupted host region, the chunks
+    refused (reason, tier), the keys quarantined and the failed loads. In this process
+    (llama-recompute) and from an EngineCore process (llama-connector)."""
+    report = engines.get("llama-recompute")
+    assert report["corrupted"] > 0
+    assert _triton(report, "cold", "jobs", path="torch", direction="store") > 0
+    assert _triton(report, "cold", "bytes", path="torch", direction="store") > 0
+    assert _triton(report, "cold", "chunks_refused", reason="checksum", tier="host") == 0
+    assert _triton(report, "cold", "loads_failed") == 0
+    assert _triton(report, "corrupt", "chunks_refused", reason="checksum", tier="host") > 0
+    assert _triton(report, "corrupt", "keys_quarantined", tier="host") > 0
+    assert _triton(report, "corrupt", "loads_failed") > 0
+    assert _triton(report, "corrupt", "jobs", path="torch", direction="load") > 0
+    served = engines.get("llama-connector")
+    assert _triton(served, "hit", "jobs", path="torch", direction="load") > 0
+    assert _triton(served, "hit", "bytes", path="torch", direction="load") > 0
+    assert not any("chunks_refused" in name for name in served["steps"]["hit"]["triton_counters"])
+    # One start-up line per worker says what it chose: path, seals and what fits.
+    for run in (report, served):
+        lines = [line for line in run["log"].splitlines() if "chunks fit" in line]
+        assert len(lines) == 2, lines  # the scheduler's line and the worker's
+        (worker,) = [line for line in lines if "worker rank 0" in line]
+        assert "backend=torch (every plane by torch)" in worker and "host chunks" in worker
 
 
 @pytest.fixture(scope="module")
@@ -417,6 +452,49 @@ def test_fs_tier_serves_a_restarted_engine(
     _assert_same(first, "hit")
     for report in (first, second):
         assert report["after_shutdown"] == {"files": [], "mapped": []}, report["name"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint_runs(
+    engine_ready: None, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[dict[str, Any], dict[str, Any], str]:
+    """Two checkpoints saved in turn at one path (so one model name: vLLM's names carry
+    the path, not the weights), each served by an engine with
+    ``TritonTieringOffloadingSpec`` and one shared ``fs`` tier: the first stores, the
+    second, a re-saved checkpoint with other weights, runs the same prompts."""
+    runs = Engines(str(tmp_path_factory.mktemp("checkpoints")))
+    root = os.path.join(runs.root, "fs")
+    kv = _offloading(
+        "TritonTieringOffloadingSpec", secondary_tiers=[{"type": "fs", "root_dir": root}]
+    )
+    steps = [{"generate": "cold", "prompts": [LONG, SHORT]}, {"shutdown": True}]
+    first = runs.run("checkpoint-seed0", "llama", kv, steps, 0)
+    shutil.rmtree(write_model("llama", runs.models))
+    write_model("llama", runs.models, seed=1)
+    second = runs.run("checkpoint-seed1", "llama", kv, steps, 0)
+    return first, second, root
+
+
+@pytest.mark.slow
+def test_a_re_saved_checkpoint_is_never_served_the_old_ones_chunks(
+    checkpoint_runs: tuple[dict[str, Any], dict[str, Any], str],
+) -> None:
+    first, second, root = checkpoint_runs
+    for report in (first, second):
+        assert report["error"] is None, report["error"]
+    # The second engine found none of the first's chunks: no hit, no byte loaded.
+    assert _delta(second, "cold", None, "external_prefix_cache_hits") == 0
+    assert _delta(second, "cold", None, "kv_offload_load_bytes") == 0
+    for report in (first, second):
+        assert _delta(report, "cold", None, "kv_offload_store_bytes") > 0, report["name"]
+    # The weights differ (else this test proves nothing): so do the greedy tokens.
+    assert [o["tokens"] for o in _outputs(first, "cold")] != [
+        o["tokens"] for o in _outputs(second, "cold")
+    ]
+    # Each checkpoint's chunks under a storage name of its own (vLLM's fs tier writes a
+    # folder per name for its config.json, and one per rank for the chunks).
+    names = [entry for entry in os.listdir(root) if not entry.endswith("_r0")]
+    assert len(names) == 2, os.listdir(root)
 
 
 @pytest.mark.slow

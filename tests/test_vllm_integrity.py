@@ -45,13 +45,22 @@ NUM_BLOCKS = 16
 
 
 class Tiered:
-    """A sealed TritonTieringOffloadingSpec: vLLM's manager and fs tier, this worker."""
+    """A sealed TritonTieringOffloadingSpec: vLLM's manager and fs tier, this worker
+    (``model``: the model name vLLM would give, a path or a hub id)."""
 
-    def __init__(self, root: Path, num_chunks: int = 3, fused: bool = False, **extra: Any) -> None:
+    def __init__(
+        self,
+        root: Path,
+        num_chunks: int = 3,
+        fused: bool = False,
+        model: str = "test",
+        **extra: Any,
+    ) -> None:
         base = make_config(root)
         config = dataclasses.replace(
             base,
             worker_kv_bytes_per_block=2 * PLANE,
+            model=dataclasses.replace(base.model, name=model),
             extra_config={
                 **base.extra_config,
                 "verify_chunks": True,

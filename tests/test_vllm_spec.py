@@ -754,7 +754,7 @@ def test_rocm_is_refused_naming_the_platform(tv: Any, monkeypatch: pytest.Monkey
 
 @needs_vllm
 @pytest.mark.parametrize(
-    ("worker_bytes", "sealed_row", "logged"),
+    ("worker_bytes", "sealed_row", "costs"),
     [
         # 1000 x 2 blocks x 2 workers = 4000 bytes in a 4096-byte row; 96 bytes of slack
         # do not hold two 64-byte seals: 2 x (2000 + 64) = 4128 -> 8192. Half the chunks.
@@ -763,18 +763,24 @@ def test_rocm_is_refused_naming_the_platform(tv: Any, monkeypatch: pytest.Monkey
         (900, 4096, False),
     ],
 )
-def test_the_seals_capacity_cost_is_stated_when_above_one_percent(
-    tv: Any, caplog: pytest.LogCaptureFixture, worker_bytes: int, sealed_row: int, logged: bool
+def test_the_seals_capacity_cost_is_stated_in_the_start_up_lines(
+    tv: Any, caplog: pytest.LogCaptureFixture, worker_bytes: int, sealed_row: int, costs: bool
 ) -> None:
     config = _config({"verify_chunks": True}, worker_kv_bytes_per_block=worker_bytes)
     with caplog.at_level("INFO", logger="vllm.triton_offload"):
         spec = tv.TritonOffloadingSpec(config)
     assert spec.kv_bytes_per_chunk == sealed_row
     assert spec.num_chunks == CPU_BYTES // sealed_row
-    stated = [r.getMessage() for r in caplog.records if "chunk seals take" in r.getMessage()]
-    if logged:
-        (message,) = stated
-        assert "50.0% of cpu_bytes_to_use (4 chunks instead of 8)" in message
-        assert "rows of 8192 bytes instead of 4096" in message
+    # Stated in the scheduler's and each worker's start-up line, not in a line of its own.
+    assert not any("chunks fit" in r.getMessage() for r in caplog.records)
+    note = spec.seal_note()
+    if costs:
+        assert note == (
+            "seals on (64 B per worker page): 4 chunks fit instead of 8 (50.0% fewer, rows "
+            "of 8192 B instead of 4096); verify_chunks=false gives them back"
+        )
     else:
-        assert stated == []
+        assert note == (
+            "seals on (64 B per worker page): 8 chunks fit instead of 8 (0.0% fewer, rows "
+            "of 4096 B instead of 4096)"
+        )

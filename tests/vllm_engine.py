@@ -154,6 +154,9 @@ class Engine:
         # Request -> tokens the connector said it would load for it (its first answer
         # that was a number), beyond what the request had computed then.
         self.hits: dict[str, int] = {}
+        #: Each step's KV-connector stats payload, as vLLM's scheduler sends it to its
+        #: stat loggers (workers' stats merged with the scheduler's).
+        self.connector_stats: list[dict[str, Any]] = []
         connector = self.scheduler.connector
         matched = connector.get_num_new_matched_tokens
 
@@ -256,6 +259,7 @@ class Engine:
         self.worker.wait_for_save()
         results = self.worker.get_transfer_results(output.finished_req_ids)
         invalid = self.worker.get_block_ids_with_load_errors()
+        stats = self.worker.get_kv_connector_stats()  # as vLLM's model runner asks
         report = self.worker.build_connector_worker_meta()
         self.worker.clear_connector_metadata()
         # vLLM 0.34's ModelRunnerOutput has no req_id_to_index (the index is the order).
@@ -282,10 +286,13 @@ class Engine:
                 finished_recving=results.finished_recving,
                 failed_recving=results.failed_recving,
                 invalid_block_ids=invalid,
+                kv_connector_stats=stats,
                 kv_connector_worker_meta=report,
             ),
         )
         for outputs in self.scheduler.update_from_output(output, runner).values():
+            if outputs.scheduler_stats is not None and outputs.scheduler_stats.kv_connector_stats:
+                self.connector_stats.append(outputs.scheduler_stats.kv_connector_stats)
             for out in outputs.outputs:
                 if out.finish_reason is not None:
                     self.finished[out.request_id] = out.finish_reason

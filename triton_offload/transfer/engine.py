@@ -124,6 +124,7 @@ from triton_offload.transfer.selection import (
     calibrate,
     calibration_slice,
     parse_crossover,
+    path_name,
 )
 
 logger = logging.getLogger(__name__)
@@ -163,10 +164,6 @@ def _release(streams: list[Any], pool: HostPool) -> None:
     for stream in streams:
         stream.synchronize()
     pool.close()
-
-
-def _path_name(assignment: Assignment) -> str:
-    return "+".join(name for name, _ in assignment)
 
 
 def _refuse_positional_lists(method: str, extra: tuple[Any, ...]) -> None:
@@ -596,7 +593,7 @@ class TransferEngine:
         # The job enters the books with ``self._active[job_id] = job``; from that line on an
         # interrupt (KeyboardInterrupt, SystemExit) at any later line, this method's or its
         # callees', must still leave it reported once. Before this try, an interrupt after
-        # that line and before _run_cpu's (the last_job_* lines, _path_name) left it in
+        # that line and before _run_cpu's (the last_job_* lines, path_name) left it in
         # _active, never queued nor marked finished: never reported, and wait() on it hung.
         try:
             with self._lock:
@@ -607,7 +604,7 @@ class TransferEngine:
                 self._active[job_id] = job
                 self.last_job_table = table
                 self.last_job_assignment = assignment
-                self.last_job_backend = _path_name(assignment)
+                self.last_job_backend = path_name(assignment)
                 if self.cuda:
                     self._queues[job.lane].append(job)
                     self._run_cuda(job, table)
@@ -898,7 +895,11 @@ class TransferEngine:
                 job.end.synchronize()
 
     def shutdown(self) -> None:
-        """Wait for running jobs, then release the pool's page locks; idempotent."""
+        """Wait for running jobs, then release the pool: its page locks, and every view
+        of it the engine holds (``pool`` becomes an empty tensor, ``pool_view`` raises
+        RuntimeError); idempotent. A caller that still holds the engine then keeps no
+        view of a pool that is a caller's memory: vLLM's shared region is unmapped at
+        its shutdown only once no view of it is left."""
         with self._lock:
             if self._closed:
                 return
@@ -908,6 +909,7 @@ class TransferEngine:
             for lock in self._copy_locks.values():
                 held.enter_context(lock)
             self._finalizer()
+            self.pool = self._pool.tensor  # released by the finalizer's pool.close()
 
     def __enter__(self) -> TransferEngine:
         return self
@@ -919,6 +921,8 @@ class TransferEngine:
 
     def pool_view(self, plane_index: int) -> torch.Tensor:
         """uint8 ``[num_host_blocks, blocks_per_chunk, page_bytes]`` view of one plane."""
+        if self._closed:
+            raise RuntimeError("the engine was shut down: its host pool is released")
         planes = self.layout.planes
         index = check_int("plane_index", plane_index, 0)
         if index >= len(planes):

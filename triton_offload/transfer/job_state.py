@@ -18,7 +18,7 @@ import torch
 from triton_offload.transfer.checksums import PageChecksums
 from triton_offload.transfer.copiers import JobHolds
 from triton_offload.transfer.jobs import FROM_POOL, TO_POOL
-from triton_offload.transfer.selection import Assignment
+from triton_offload.transfer.selection import Assignment, path_name
 
 #: The lane of expedited loads, beside ``TO_POOL`` (stores) and ``FROM_POOL`` (loads):
 #: its own FIFO queue, stream and copy lock.
@@ -42,6 +42,10 @@ class TransferResult:
     transfer_time: float
     #: The page checksums of a job submitted with ``checksum=True`` that succeeded.
     checksums: PageChecksums | None = None
+    #: The copiers that moved it, as the engine names a job's path (``"torch"``,
+    #: ``"triton"``, ``"dma"``, or ``"dma+triton"`` for a job split between them): how
+    #: the job ran, not its outcome, so results compare without it.
+    path: str = field(default="", compare=False)
 
 
 @dataclass
@@ -80,7 +84,14 @@ class RunningJob:
             if isinstance(values, torch.Tensor):
                 values = values.numpy().view(np.uint64).copy()
             checksums = PageChecksums(self.checksum_rows, values, self.checksum_algorithm)
-        return TransferResult(self.job_id, self.success, self.transfer_size, seconds, checksums)
+        return TransferResult(
+            self.job_id,
+            self.success,
+            self.transfer_size,
+            seconds,
+            checksums,
+            path_name(self.assignment),
+        )
 
 
 __all__ = ["EXPEDITED_LOAD", "LANES", "RunningJob", "TransferResult"]

@@ -224,9 +224,15 @@ class HostPool:
         return row_stride_of(self.tensor)
 
     def close(self) -> None:
-        """Unregister the pages this pool locked (idempotent)."""
+        """Unregister the pages this pool locked, then let go of its memory (idempotent):
+        ``tensor`` becomes an empty ``[0, row_bytes]`` tensor. A pool over a caller's
+        memory is a view of it, and the owner cannot unmap memory a view still exports
+        (vLLM's shared region then stays mapped: "Keeping ... mapped")."""
         if self._finalizer is not None:
             self._finalizer()
+        self.tensor = torch.empty(
+            (0, self.tensor.size(1)), dtype=self.tensor.dtype, device=self.tensor.device
+        )
 
 
 def _unregister_all(pieces: list[int], keep_alive: torch.Tensor) -> None:

@@ -534,7 +534,7 @@ class PageSealer:
                     f"group {group}'s {payload}-byte row does not fit before the seal of a "
                     f"{pages.shape[1]}-byte page"
                 )
-        self.pages = pages
+        self._pages: np.ndarray | None = pages
         self.format = fmt
         self.group_payload = tuple(int(p) for p in group_payload)
         self._payload = np.array(self.group_payload, dtype=np.int64)
@@ -543,13 +543,21 @@ class PageSealer:
         self.host_checked_pages = 0
 
     @property
+    def pages(self) -> np.ndarray:
+        """The pages sealed and checked; RuntimeError once :meth:`close` dropped them."""
+        if self._pages is None:
+            raise RuntimeError("this page sealer is closed: its view of the pool was dropped")
+        return self._pages
+
+    @property
     def room(self) -> int:
         return int(self.pages.shape[1]) - SEAL_BYTES
 
     def close(self) -> None:
-        """Drop the view of the pool: the pool's owner cannot unmap memory a view still
-        exports (vLLM's region then stays mapped: "Keeping ... mapped")."""
-        self.pages = np.empty((0, self.pages.shape[1]), np.uint8)
+        """Drop the view of the pool (idempotent); every later use raises RuntimeError.
+        The pool's owner cannot unmap memory a view still exports (vLLM's region then
+        stays mapped: "Keeping ... mapped")."""
+        self._pages = None
 
     def records(self, chunks: np.ndarray) -> np.ndarray:
         """A copy of the seal records of ``chunks`` (``RECORD``)."""

@@ -36,6 +36,12 @@ PathChoice = Literal["plane", "job"]
 PATH_CHOICES = ("plane", "job")
 
 
+def path_name(assignment: Assignment) -> str:
+    """A job's copy path as the engine names it: its copiers joined by ``+`` (``"torch"``,
+    ``"triton"``, ``"dma"``, ``"dma+triton"``)."""
+    return "+".join(name for name, _ in assignment)
+
+
 @dataclass(frozen=True)
 class Crossover:
     """Per direction, the winner measured at grid points (page bytes, pages per job).
@@ -242,6 +248,37 @@ CALIBRATION_MAX_BYTES = 16 << 20
 CALIBRATION_REPEATS = 3
 
 
+def describe_paths(policy: PathPolicy, layout: CacheLayout) -> str:
+    """Which copier moves which planes, for a start-up log line: one copier for every
+    plane, or per page size the copier of each direction (at the calibration's job sizes,
+    :data:`CALIBRATION_PAGES` blocks, where the choice depends on the job)."""
+    if isinstance(policy, FixedPath):
+        return f"every plane by {policy.name}"
+    if not isinstance(policy, CrossoverPath):
+        return f"chosen by {type(policy).__name__}"
+    if policy.mode == "job":
+        return "one copier per job, from its mean page size and the crossover"
+    planes: dict[int, int] = {}
+    for plane in layout.planes:
+        planes[plane.page_bytes] = planes.get(plane.page_bytes, 0) + 1
+    parts = []
+    for page, count in sorted(planes.items()):
+        directions = []
+        for direction in _DIRECTIONS:
+            picks = [policy.crossover.choose(direction, page, n) for n in CALIBRATION_PAGES]
+            choice = (
+                picks[0]
+                if len(set(picks)) == 1
+                else " / ".join(
+                    f"{pick} at {n} blocks"
+                    for pick, n in zip(picks, CALIBRATION_PAGES, strict=True)
+                )
+            )
+            directions.append(f"{DIRECTION_NAMES[direction]} {choice}")
+        parts.append(f"{count} planes of {page} B: " + ", ".join(directions))
+    return "; ".join(parts)
+
+
 def calibration_slice(rows: object, num_rows: int) -> range:
     """The k-th of n equal, disjoint slices of ``range(num_rows)`` for ``rows = (k, n)``.
 
@@ -390,5 +427,7 @@ __all__ = [
     "calibrate",
     "calibration_job",
     "calibration_slice",
+    "describe_paths",
     "parse_crossover",
+    "path_name",
 ]

@@ -12,11 +12,14 @@ level:
 - ``plugin``: the ``vllm.general_plugins`` entry point (registers by module path);
 - ``options``: this backend's extra-config keys; ``convert``: vLLM's config, caches and
   job specs in this project's terms; ``tiers``: secondary tiers and their storage tag;
+  ``checkpoint``: the served checkpoint's identity (in seals and storage names);
 - ``region``: vLLM's ``SharedOffloadRegion`` as the host pool, and the store ledger;
 - ``worker``: ``TritonOffloadingWorker``; ``spec``: ``TritonOffloadingSpec`` and
   ``TritonTieringOffloadingSpec``;
 - ``planning``: the planner built from vLLM's cache specs; ``connector``:
-  ``TritonOffloadingConnector`` and its scheduler.
+  ``TritonOffloadingConnector`` and its scheduler;
+- ``counters``: this backend's counters in vLLM's metrics (``vllm:triton_offload_*``),
+  counted by the worker, the integrity guard and the connector.
 
 Imports point one way: connector -> planning; spec -> worker -> region, convert; all
 of them -> compat; nothing here is imported by the planner or the data path. This

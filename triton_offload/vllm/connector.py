@@ -18,6 +18,10 @@ worker and its manager. It adds two things:
   valid hit of vLLM's own rule is always kept (the planner returns the largest valid
   hit, and vLLM's answer is re-checked against the same rules).
 
+It also reports failed jobs instead of asserting (see the worker class), and publishes
+this backend's counters beside vLLM's offloading metrics through vLLM's KV-connector
+stats (:mod:`triton_offload.vllm.counters`).
+
 The plan, the span check and the manager-backed presence rows live in
 :mod:`triton_offload.vllm.planning`; this module holds only vLLM's two subclasses.
 """
@@ -29,6 +33,7 @@ from typing import Any
 from triton_offload.planner.groups import GroupKind
 from triton_offload.planner.lookup import hit_end_problem
 from triton_offload.planner.plan import OffloadPlan
+from triton_offload.vllm.checkpoint import SERVED_REVISION, ModelRevision
 from triton_offload.vllm.compat import (
     CONNECTOR_NAME,
     MODULE_PATH,
@@ -37,6 +42,12 @@ from triton_offload.vllm.compat import (
     logger,
     supported_vllm_api,
     vllm_release,
+)
+from triton_offload.vllm.counters import (
+    LOADS_FAILED,
+    STORES_FAILED,
+    TritonPromMetrics,
+    stats_of,
 )
 from triton_offload.vllm.integrity import (
     VLLM_REPORTS_FAILED_JOBS,
@@ -132,6 +143,7 @@ class _CompletionHook:
         if job is not None:
             success = False
             self._scheduler.triton_failed_stores += 1
+            self._scheduler.triton_guard.counters.add(STORES_FAILED)
         if job is not None and not VLLM_REPORTS_FAILED_JOBS:
             logger.warning(
                 "%s: store of %d chunks for request %s failed on a worker; nothing of it "
@@ -149,6 +161,7 @@ class _CompletionHook:
         job = self._failing.get(id(keys))
         if job is not None:
             self._scheduler.triton_failed_loads += 1
+            self._scheduler.triton_guard.counters.add(LOADS_FAILED)
         if job is not None and not VLLM_REPORTS_FAILED_JOBS:
             excluded = self._scheduler._triton_excluded.setdefault(job.req_id, set())
             excluded.update(keys)
@@ -734,9 +747,13 @@ class TritonOffloadingConnector(OffloadingConnector):  # type: ignore[misc]
             offloading_config.cache.blocks_per_chunk,
         )
         token = PLANNED_LOOKUPS.set(True)
+        # The spec sees vLLM's OffloadingConfig, which names the model but not the
+        # revision it resolved: handed over here, in the scheduler and every worker alike.
+        revision = SERVED_REVISION.set(ModelRevision.from_model_config(vllm_config.model_config))
         try:
             super().__init__(vllm_config, role, kv_cache_config)
         finally:
+            SERVED_REVISION.reset(revision)
             PLANNED_LOOKUPS.reset(token)
         plan = self.triton_plan
         if role == KVConnectorRole.SCHEDULER:
@@ -790,6 +807,40 @@ class TritonOffloadingConnector(OffloadingConnector):  # type: ignore[misc]
         worker = self.connector_worker
         if isinstance(worker, TritonOffloadingConnectorWorker):
             worker.triton_wait_layer(layer_name)
+
+    # ------------------------------------------------------------------ metrics
+
+    def get_kv_connector_stats(self) -> Any:
+        """vLLM's offloading stats (the scheduler's) with this backend's counts since the
+        last call (the scheduler's or this worker's, see triton_offload.vllm.counters);
+        None when there is nothing, as vLLM wants an idle worker's answer."""
+        stats = super().get_kv_connector_stats()
+        scheduler, worker = self.connector_scheduler, self.connector_worker
+        counters = None
+        if scheduler is not None:
+            guard = getattr(scheduler, "triton_guard", None)
+            counters = None if guard is None else guard.counters
+        elif worker is not None:
+            # The offloading worker (this project's; another spec's has no counters),
+            # there once vLLM registered the caches.
+            counters = getattr(getattr(worker, "worker", None), "counters", None)
+        return stats if counters is None else stats_of(counters.drain(), stats)
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: Any,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> Any:
+        """vLLM's offloading metrics and, beside them, this backend's counters."""
+        inner = super().build_prom_metrics(
+            vllm_config, metric_types, labelnames, per_engine_labelvalues
+        )
+        return TritonPromMetrics(
+            inner, vllm_config, metric_types, labelnames, per_engine_labelvalues
+        )
 
     # ------------------------------------------------------------ load failures
 

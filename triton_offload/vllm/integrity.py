@@ -18,6 +18,10 @@ and p2p tiers store and return it with the chunk without knowing it is there.
 - A chunk that failed is dropped from the host tier and its key is quarantined: the
   secondary tiers' lookups answer MISS for it, so vLLM's recompute never loops on a bad
   chunk. A later successful store of the key lifts the quarantine.
+- A refused chunk's file in an fs tier is removed when its own bytes fail the check
+  (:mod:`triton_offload.vllm.tier_repair`): vLLM's fs tier never overwrites a file, and
+  the next store of the key must write a good one, or the chunk would be promoted and
+  refused again each time it left host memory.
 
 This module holds the vLLM glue: the key-carrying host spec, the manager hooks, the
 tier hooks and the worker metadata that carries failures to the scheduler.
@@ -34,6 +38,19 @@ import numpy as np
 
 from triton_offload.transfer.seal import SEAL_BYTES, SealFormat, digest8, key_digest, seal_problem
 from triton_offload.vllm.compat import logger, supported_vllm_api
+from triton_offload.vllm.counters import (
+    CHUNKS_REFUSED,
+    HOST_TIER,
+    KEYS_QUARANTINED,
+    Counters,
+    refusal_reason,
+)
+from triton_offload.vllm.tier_repair import (
+    RemovalOutcome,
+    fs_chunk_file,
+    fs_chunk_folder,
+    remove_refused_file,
+)
 
 with supported_vllm_api():
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
@@ -91,14 +108,17 @@ def give_keys_to_specs(manager: Any) -> None:
     cpu._triton_keyed_specs = True
 
 
-def config_description(spec: Any, storage_layout: str) -> str:
+def config_description(spec: Any, storage_layout: str, checkpoint: str) -> str:
     """What the scheduler and every worker agree a chunk's bytes mean: the storage layout
-    tag, the model, its KV dtype and block geometry (the seal's config digest)."""
+    tag, the model and its checkpoint (:mod:`triton_offload.vllm.checkpoint`: one name
+    may serve other weights), its KV dtype and block geometry (the seal's config
+    digest)."""
     config = spec.config
     return ";".join(
         [
             storage_layout,
             f"model={config.model.name}",
+            f"checkpoint={checkpoint}",
             f"dtype={config.model.dtype}",
             f"page={int(spec.cpu_page_size_per_worker)}",
             f"bpc={int(spec.blocks_per_chunk)}",
@@ -107,8 +127,8 @@ def config_description(spec: Any, storage_layout: str) -> str:
     )
 
 
-def config_digest(spec: Any, storage_layout: str) -> bytes:
-    return digest8(config_description(spec, storage_layout))
+def config_digest(spec: Any, storage_layout: str, checkpoint: str) -> bytes:
+    return digest8(config_description(spec, storage_layout, checkpoint))
 
 
 #: vLLM's worker metadata carries ``failed_jobs`` itself (0.34 and later).
@@ -183,6 +203,13 @@ class ChunkGuard:
         self.promotions_refused = 0
         #: Chunks refused (each logged once, until a fresh store of its key).
         self.chunks_refused = 0
+        #: The scheduler's counts for vLLM's metrics (promotions refused, keys
+        #: quarantined, failed jobs): see triton_offload.vllm.counters.
+        self.counters = Counters()
+        #: Refused chunks' files removed from fs tiers (so the next store rewrites them).
+        self.tier_files_removed = 0
+        #: The secondary tiers whose promotions this guard checks (:meth:`watch_tier`).
+        self._tiers: list[Any] = []
 
     # ----------------------------------------------------------------- reporting
 
@@ -224,13 +251,17 @@ class ChunkGuard:
                 self._logged.difference_update(fresh)
 
     def quarantine(self, manager: Any, keys: Iterable[bytes]) -> None:
-        """Keep ``keys`` out of every tier's lookups and drop their host chunks (now, or
-        once the loads still reading them finished)."""
+        """Keep ``keys`` out of every tier's lookups, drop their host chunks (now, or
+        once the loads still reading them finished) and remove their tiers' bad files."""
+        keys = [bytes(key) for key in keys]
         with self._lock:
-            for key in keys:
-                self.quarantined.add(bytes(key))
-                self._pending_drops.add(bytes(key))
+            fresh = len(set(keys) - self.quarantined)
+            self.quarantined.update(keys)
+            self._pending_drops.update(keys)
+        if fresh:
+            self.counters.add(KEYS_QUARANTINED, fresh, tier=HOST_TIER)
         self.drop_pending(manager)
+        self.repair_tiers(keys)
 
     def drop_pending(self, manager: Any) -> None:
         if self._pending_drops:
@@ -244,29 +275,85 @@ class ChunkGuard:
         rows = self.region_rows
         if rows is None or self.digest is None:
             return None
-        row = rows[chunk]
+        # Headers only (64 bytes a page, no payload byte): the scheduler's thread is never
+        # held by a checksum; the worker's load checks the payload where its bytes move,
+        # and fails the chunk before any of it counts as loaded.
+        return self.row_problem(rows[chunk], key, check_payload=False)
+
+    def row_problem(self, row: np.ndarray, key: bytes, *, check_payload: bool) -> str | None:
+        """Why the uint8 ``row`` is not ``key``'s chunk in this configuration: every
+        page's seal (the row layout digest, a worker fact, is not checked)."""
+        assert self.digest is not None
         for page_index in range(self.page_count):
             start = page_index * self.page_bytes
             fmt = SealFormat(self.digest, bytes(8), page_index, self.page_count)
-            # Headers only (64 bytes a page, no payload byte): the scheduler's thread is
-            # never held by a checksum; the worker's load checks the payload where its
-            # bytes move, and fails the chunk before any of it counts as loaded.
             problem = seal_problem(
                 row[start : start + self.page_bytes],
                 fmt,
                 key_digest(key),
                 check_layout=False,
-                check_payload=False,
+                check_payload=check_payload,
             )
             if problem is not None:
                 return f"page {page_index}: {problem}"
         return None
+
+    def tier_file_problem(self, key: bytes) -> Any:
+        """The verdict on a tier's file of ``key``'s chunk (its first row's bytes): short,
+        or a page whose seal, key, configuration or payload checksum fails."""
+
+        def problem(data: bytes) -> str | None:
+            if len(data) < self._row_stride:
+                return f"{len(data)} of {self._row_stride} bytes"
+            row = np.frombuffer(data, dtype=np.uint8, count=self._row_stride)
+            return self.row_problem(row, key, check_payload=True)
+
+        return problem
+
+    def repair_tiers(self, keys: Iterable[bytes]) -> None:
+        """Remove the refused ``keys``' files from the watched fs tiers where the file's
+        own bytes fail the check, so the next store of a key writes a good one (vLLM's fs
+        tier skips a key whose file exists). Without seals no file can be judged and none
+        is removed; obj and p2p tiers keep theirs (see :mod:`tier_repair`)."""
+        if self.digest is None or self._row_stride < 1:
+            return
+        for tier in self._tiers:
+            folder = fs_chunk_folder(tier)
+            if folder is None:
+                continue
+            for key in keys:
+                path = fs_chunk_file(tier, key)
+                try:
+                    outcome = remove_refused_file(
+                        path, folder, self._row_stride, self.tier_file_problem(key)
+                    )
+                except (OSError, ValueError) as error:
+                    logger.warning(
+                        "triton_offload: refused chunk %s's file %s in secondary tier %r "
+                        "is kept: %s",
+                        key.hex(),
+                        path,
+                        tier.tier_type,
+                        error,
+                    )
+                    continue
+                if outcome is RemovalOutcome.REMOVED:
+                    with self._lock:
+                        self.tier_files_removed += 1
+                    logger.warning(
+                        "triton_offload: removed refused chunk %s's file %s from secondary "
+                        "tier %r: the next store of the key writes it again",
+                        key.hex(),
+                        path,
+                        tier.tier_type,
+                    )
 
     def watch_tier(self, manager: Any, tier: Any) -> None:
         """Check every chunk ``tier`` promotes into the host region before it counts, and
         answer MISS for quarantined keys in ``tier``'s lookups."""
         if getattr(tier, "_triton_watched", False):
             return
+        self._tiers.append(tier)
         lookup = tier.lookup
         get_finished_jobs = tier.get_finished_jobs
         guard = self
@@ -297,7 +384,8 @@ class ChunkGuard:
         transfer = job.transfer_job
         keys = [bytes(key) for key in transfer.keys]
         chunk_of = dict(zip(keys, (int(c) for c in transfer.chunk_ids), strict=True))
-        where = f"secondary tier {tier.tier_type!r}"
+        tier_name = str(tier.tier_type)
+        where = f"secondary tier {tier_name!r}"
         reported = keys if result.success else [bytes(k) for k in result.successful_keys or ()]
         read = set(reported)
         unread = [key for key in keys if key not in read]
@@ -316,16 +404,23 @@ class ChunkGuard:
             else:
                 bad.append(key)
                 self.report(key, where, problem)
+                self.counters.add(CHUNKS_REFUSED, reason=refusal_reason(problem), tier=tier_name)
         if self.digest is None:
             lost = unread
             for key in lost:
                 self.report(key, where, "the tier failed to read it")
+        if lost:
+            self.counters.add(CHUNKS_REFUSED, len(lost), reason="read", tier=tier_name)
         if bad or lost:
             # Quarantined: the tier's lookup would offer them again at once, and a
             # request waiting on them would loop.
             with self._lock:
+                fresh = len({*bad, *lost} - self.quarantined)
                 self.quarantined.update(bad)
                 self.quarantined.update(lost)
+            if fresh:
+                self.counters.add(KEYS_QUARANTINED, fresh, tier=tier_name)
+            self.repair_tiers(bad + lost)
         self.promotions_refused += len(bad)
         if not bad and not lost:
             return dataclasses.replace(result, success=True, successful_keys=None)

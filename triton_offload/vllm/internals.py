@@ -38,6 +38,7 @@ ONLY_0_34 = ((0, 34),)
 _SCHEDULER = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler"
 _CONNECTOR_WORKER = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker"
 _CONNECTOR = "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector"
+_METRICS = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics"
 _CPU_MANAGER = "vllm.v1.kv_offload.cpu.manager"
 _CPU_SPEC = "vllm.v1.kv_offload.cpu.spec"
 _REGION = "vllm.v1.kv_offload.cpu.shared_offload_region"
@@ -201,6 +202,23 @@ RELIANCES: tuple[Reliance, ...] = (
         "replaces",
         "the worker metadata carries bad keys (and on 0.33 failed jobs) to the scheduler",
         instance=True,
+    ),
+    # ---- vLLM's offloading stats: this backend's counters ride the same payload
+    Reliance(
+        _METRICS,
+        "OffloadingConnectorStats.increase_counter",
+        "calls",
+        "this backend's counters (triton_offload.vllm.counters) are added to vLLM's "
+        "offloading stats payload, which vLLM sums over workers and logs",
+        params=("counter_name", "counter_increase_value", "labelvalues"),
+    ),
+    Reliance(
+        _METRICS,
+        "OffloadingConnectorStats.metric_sections",
+        "calls",
+        "the connector's Prometheus metrics take this backend's counters out of a payload "
+        "copy and hand vLLM's offloading metrics the rest",
+        params=(),
     ),
     # ---- vLLM's CPU manager: keyed host specs and dropped chunks
     Reliance(

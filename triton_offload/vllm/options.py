@@ -28,6 +28,7 @@ EXTRA_CONFIG_KEYS = (
     "replicated_store_timeout_s",
     "verify_chunks",
     "layerwise_loads",
+    "checkpoint_id",
 )
 BACKENDS = ("auto", "triton", "dma", "torch")
 
@@ -62,6 +63,20 @@ def _crossover_option(value: Any) -> int | dict[str, int] | None:
     return parsed.threshold[TO_POOL]
 
 
+def _checkpoint_id_option(extra: Mapping[str, Any]) -> str | None:
+    """``checkpoint_id``: absent, or a non-empty string without surrounding whitespace (a
+    value pasted with a newline would split a fleet that means one checkpoint)."""
+    if "checkpoint_id" not in extra:
+        return None
+    value = extra["checkpoint_id"]
+    if not isinstance(value, str) or not value.strip() or value != value.strip():
+        raise ValueError(
+            "kv_connector_extra_config['checkpoint_id'] must be a non-empty string without "
+            f"leading or trailing whitespace (the served checkpoint's identity), got {value!r}"
+        )
+    return value
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineOptions:
     """This spec's own extra-config keys, validated (see the README for each).
@@ -78,7 +93,9 @@ class EngineOptions:
     :mod:`triton_offload.vllm.integrity`); False gives rows without seals.
     ``layerwise_loads``: a step's sync loads copied layer by layer, the forward waiting
     for each layer's stage only (:mod:`triton_offload.vllm.layerwise`; needs
-    ``TritonOffloadingConnector``). Off by default.
+    ``TritonOffloadingConnector``). Off by default. ``checkpoint_id``: the identity of
+    the checkpoint served, over the one derived from its revision or files (see
+    :mod:`triton_offload.vllm.checkpoint`); None = derived.
     """
 
     backend: Backend = "auto"
@@ -89,6 +106,7 @@ class EngineOptions:
     replicated_store_timeout_s: float = 60.0
     verify_chunks: bool = True
     layerwise_loads: bool = False
+    checkpoint_id: str | None = None
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> EngineOptions:
@@ -128,6 +146,7 @@ class EngineOptions:
             replicated_store_timeout_s=float(timeout),
             verify_chunks=verify,
             layerwise_loads=layerwise,
+            checkpoint_id=_checkpoint_id_option(extra),
         )
 
 

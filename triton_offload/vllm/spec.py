@@ -50,8 +50,10 @@ Decisions a user of vLLM's CPU spec would ask about:
   it; refusing keeps a user from believing rows are canonical when they are not).
 - Without ``canonical_layout`` the tiering spec's fs, obj and p2p tiers file chunks
   under a name that carries this layout (:func:`storage_layout_tag` plus the plane
-  arrangement every worker publishes when it registers its caches), so they never
-  exchange chunks with stock vLLM or another geometry; the KVCR tier, which cannot be so
+  arrangement every worker publishes when it registers its caches) and the checkpoint
+  (:mod:`triton_offload.vllm.checkpoint`, also in the seals' configuration digest), so
+  they never exchange chunks with stock vLLM, another geometry or another checkpoint
+  served under the same model name; the KVCR tier, which cannot be so
   named, is refused. Where the rows provably are vLLM's CPU worker's bytes (verification
   off, one plane per cache tensor at vLLM's offsets: every worker says so), the names
   are vLLM's own and stock instances share the chunks.
@@ -85,7 +87,9 @@ from triton_offload.transfer.seal import (
     digest8,
     layout_description,
 )
+from triton_offload.transfer.selection import describe_paths
 from triton_offload.vllm.canonical import canonical_cache_layout
+from triton_offload.vllm.checkpoint import SERVED_REVISION, checkpoint_identity
 from triton_offload.vllm.compat import (
     VLLM_0_34,
     VLLM_EXTRA_CONFIG_KEYS,
@@ -198,12 +202,23 @@ class TritonWorkerSide:
         #: Stock vLLM's rows (canonical_layout) carry none: they are shared byte for byte
         #: with instances that write no seal, so no byte may be added to them.
         self.sealed_pages = self.engine_options.verify_chunks and not self.stock_rows
+        #: (chunks, row bytes) vLLM's CPU spec would have without the seals (seal_note).
+        self._unsealed: tuple[int, int] | None = None
         if self.sealed_pages:
             self._add_seal_room()
+        #: The checkpoint served: one model name may serve other weights over time, and
+        #: vLLM's names and keys carry only the name (triton_offload.vllm.checkpoint).
+        self.model_revision = SERVED_REVISION.get()
+        self.checkpoint = checkpoint_identity(
+            config.model.name, self.engine_options.checkpoint_id, self.model_revision
+        )
+        self._log_checkpoint()
         # What the scheduler and every worker agree a chunk's bytes mean (the seals'
-        # config digest): the config-level layout tag and the model's own dtype, fixed
-        # here, before the tiering spec tags the dtype with the published planes.
-        self._seal_config = config_digest(self, storage_layout_tag(self))
+        # config digest): the config-level layout tag, the checkpoint and the model's own
+        # dtype, fixed here, before the tiering spec tags the dtype with the planes.
+        self._seal_config = config_digest(
+            self, storage_layout_tag(self), self.checkpoint.description
+        )
         self._planes_note: str | None = None
         # An attention-free model has no group: nothing to plan or move.
         self.plan = plan_from_offloading_config(config) if config.groups else None
@@ -228,25 +243,60 @@ class TritonWorkerSide:
         self.kv_bytes_per_chunk = row
         self.num_chunks = int(self.extra_config["cpu_bytes_to_use"]) // row
         self.cpu_info = CPUOffloadingInfo.from_config(config, self.num_chunks, row)
+        # Stated in the start-up lines (seal_note): small pages pay most (a 64-byte seal
+        # per worker page, the row rounded up to the region's alignment).
+        self._unsealed = (unsealed_chunks, unsealed_row)
+
+    def seal_note(self) -> str:
+        """Seals on or off and what they cost in chunks, for the start-up lines."""
+        if not self.sealed_pages:
+            why = "canonical_layout: stock rows" if self.stock_rows else "verify_chunks=false"
+            return f"seals off ({why})"
+        if self._unsealed is None:
+            return "seals on"
+        unsealed_chunks, unsealed_row = self._unsealed
         cost = 1 - self.num_chunks / unsealed_chunks if unsealed_chunks else 0.0
-        if cost > 0.01:
-            # Stated once at start-up where it matters: small pages pay most (a 64-byte
-            # seal per worker page, the row rounded up to the region's alignment).
-            logger.info(
-                "triton_offload: chunk seals take %.1f%% of cpu_bytes_to_use (%d chunks "
-                "instead of %d): each %d-byte worker page gains a %d-byte seal, x %d "
-                "page(s) per row, rounded to %d bytes: rows of %d bytes instead of %d; "
-                "verify_chunks=false gives the space back and verifies nothing",
-                100 * cost,
-                self.num_chunks,
-                unsealed_chunks,
-                page - SEAL_BYTES,
-                SEAL_BYTES,
-                copies,
-                alignment,
-                row,
-                unsealed_row,
+        return (
+            f"seals on ({SEAL_BYTES} B per worker page): {self.num_chunks} chunks fit "
+            f"instead of {unsealed_chunks} ({100 * cost:.1f}% fewer, rows of "
+            f"{int(self.kv_bytes_per_chunk)} B instead of {unsealed_row})"
+            + ("; verify_chunks=false gives them back" if cost > 0 else "")
+        )
+
+    def _log_checkpoint(self) -> None:
+        """The checkpoint's identity and where it came from, once per spec (scheduler and
+        each worker: a node whose files differ shows here)."""
+        checkpoint, name = self.checkpoint, type(self).__name__
+        if checkpoint.value is None:
+            logger.warning(
+                "%s (triton_offload): no identity for the checkpoint of model %r (%s): its "
+                "chunks are known by the model name only, as stock vLLM knows them, so "
+                "another checkpoint served under this name could be handed them; set "
+                "kv_connector_extra_config['checkpoint_id']",
+                name,
+                self.config.model.name,
+                checkpoint.detail,
             )
+            return
+        if self.stock_rows:
+            where = "unused: canonical_layout rows are stock vLLM's, under vLLM's names"
+        elif self.sealed_pages:
+            where = "in every chunk seal's configuration digest" + (
+                " and the tiers' storage names" if self._tiering_region else ""
+            )
+        else:
+            where = (
+                "chunk seals are off (verify_chunks=false): in the tiers' storage names "
+                "only, and not where the rows prove stock vLLM's (vLLM's names)"
+            )
+        logger.info(
+            "%s (triton_offload): checkpoint %s, from %s (%s); %s",
+            name,
+            checkpoint.value,
+            checkpoint.source,
+            checkpoint.detail,
+            where,
+        )
 
     def seal_config_digest(self) -> bytes:
         """The configuration digest every page seal of this spec carries."""
@@ -278,7 +328,7 @@ class TritonWorkerSide:
             warn_stock_lookup_hazards(self.config)
             logger.info(
                 "%s (triton_offload): scheduler uses vLLM's %s, %d host chunks "
-                "of %d blocks (%d bytes each, %s), eviction_policy=%s",
+                "of %d blocks (%d bytes each, %s), eviction_policy=%s; %s",
                 type(self).__name__,
                 type(manager).__name__,
                 self.num_chunks,
@@ -286,6 +336,7 @@ class TritonWorkerSide:
                 getattr(self, "kv_bytes_per_chunk", 0),
                 "one copy per chunk" if self.replicated_layout else "one page per worker",
                 getattr(self, "eviction_policy", "lru"),
+                self.seal_note(),
             )
         return manager
 
@@ -507,7 +558,7 @@ class TritonWorkerSide:
         logger.info(
             "%s (triton_offload %s): worker rank %d %s; shared region %s: %d host chunks, "
             "row stride %d bytes, %d-byte pages; %.2f GiB mapped in %.3f s, %.2f GiB "
-            "page-locked in %.3f s; %s",
+            "page-locked in %.3f s; %s; %s",
             name,
             __version__,
             rank,
@@ -523,8 +574,10 @@ class TritonWorkerSide:
             "no layer of any group on this stage: nothing to move"
             if engine is None
             else f"offloads {len(engine.layout.planes)} planes of groups "
-            f"{list(stage)} of {num_groups}, backend={engine.backend}, "
+            f"{list(stage)} of {num_groups}, backend={engine.backend} "
+            f"({describe_paths(engine.policy, engine.layout)}), "
             f"{engine.row_bytes}-byte rows on {engine.device}",
+            self.seal_note(),
         )
         return TritonOffloadingWorker(
             engine,
@@ -612,7 +665,7 @@ class TritonWorkerSide:
             "%s (triton_offload %s): worker rank %d writes its share of vLLM's canonical "
             "pages (canonical_layout, all layers portable: %s); shared region %s: %d host "
             "chunks, row stride %d bytes, %d canonical bytes per row; %.2f GiB page-locked "
-            "in %.3f s; offloads %d fragment planes of groups %s, backend=%s",
+            "in %.3f s; offloads %d fragment planes of groups %s, backend=%s (%s); %s",
             type(self).__name__,
             __version__,
             region_plan.rank,
@@ -626,6 +679,8 @@ class TritonWorkerSide:
             len(layout.planes),
             list(stage),
             engine.backend,
+            describe_paths(engine.policy, engine.layout),
+            self.seal_note(),
         )
         return TritonOffloadingWorker(
             engine,
@@ -700,7 +755,10 @@ class TritonTieringOffloadingSpec(TritonWorkerSide, TieringOffloadingSpec):  # t
         # config's KV dtype: tagging it with this layout files these rows apart
         # from stock vLLM's chunks and from other geometries, in every such tier.
         # The plane part names the workers' published plane arrangement.
-        self.storage_layout = f"{storage_layout_tag(self)}:{planes_tag(notes)}"
+        # The checkpoint part keeps another checkpoint of the same model name apart.
+        self.storage_layout = (
+            f"{storage_layout_tag(self)}:{self.checkpoint.tag}:{planes_tag(notes)}"
+        )
         model = self.config.model
         self.config = dataclasses.replace(
             self.config,

@@ -21,6 +21,15 @@ from triton_offload.transfer.pointers import GroupPlanes, blocks_from_pointers
 from triton_offload.transfer.seal import PageSealer, key_digests
 from triton_offload.vllm.compat import VLLM_0_34, logger, supported_vllm_api, vllm_release
 from triton_offload.vllm.convert import split_job
+from triton_offload.vllm.counters import (
+    BYTES,
+    CHUNKS_REFUSED,
+    HOST_TIER,
+    JOBS,
+    VERIFY_SECONDS,
+    Counters,
+    refusal_reason,
+)
 from triton_offload.vllm.integrity import spec_keys
 from triton_offload.vllm.region import check_ledger_job_id, release_region, wait_until
 from triton_offload.vllm.tiers import withdraw_planes
@@ -163,6 +172,10 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
         self._to_seal: dict[Any, JobChunks] = {}  # store job -> its chunks
         # Load job -> its JobSpec and chunks (checked once the copy ended).
         self._loads: dict[Any, tuple[JobSpec, JobChunks | None]] = {}
+        #: This worker's counts since vLLM last asked for them (chunks it refused, jobs
+        #: and bytes per copy path, seconds sealing and verifying): see
+        #: triton_offload.vllm.counters.
+        self.counters = Counters()
 
     # ------------------------------------------------------------ job input
 
@@ -398,6 +411,7 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
             key = None if chunks.keys is None else chunks.keys[position]
             group, problem = int(chunks.groups[position]), problems[position]
             bad.append((group, int(chunks.indices[position]), key, str(problem)))
+            self.counters.add(CHUNKS_REFUSED, reason=refusal_reason(str(problem)), tier=HOST_TIER)
             logger.warning(
                 "triton_offload: host chunk %d (key %s, group %d) failed verification: %s",
                 int(chunks.chunks[position]),
@@ -414,7 +428,9 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
         job, chunks = self._loads[result.job_id]
         bad: list[tuple[int, int, Any, str]] = []
         if result.success and chunks is not None:
+            started = time.perf_counter()
             bad = self._verify_load(chunks, result.checksums)
+            self.counters.add(VERIFY_SECONDS, time.perf_counter() - started, direction="load")
         if result.success and not bad:
             return TritonTransferResult(
                 result.job_id, True, result.transfer_size, result.transfer_time
@@ -452,6 +468,7 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
             checksums = result.checksums
             if checksums is None:
                 raise RuntimeError("the engine returned no checksums for a checksummed store")
+            started = time.perf_counter()
             digests = chunks.digests
             if digests is None:
                 digests = np.zeros((chunks.chunks.size, 8), dtype=np.uint8)
@@ -462,6 +479,7 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
                 chunks.checksums_of(checksums),
                 checksums.algorithm,
             )
+            self.counters.add(VERIFY_SECONDS, time.perf_counter() - started, direction="store")
         except Exception:  # an unsealed store is a failed store, never a crash
             logger.exception("triton_offload: sealing store job %r failed", result.job_id)
             return False
@@ -491,6 +509,7 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
 
     def _judged(self, result: Any) -> Any:
         """The vLLM report of a finished engine job; changes no books."""
+        self._count_copy(result)
         if result.job_id in self._loads:
             return self._load_result(result)
         success = self._seal_store(result)
@@ -505,6 +524,16 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
             transfer_size=result.transfer_size,
             transfer_time=result.transfer_time,
         )
+
+    def _count_copy(self, result: Any) -> None:
+        """A completed copy's job and bytes, per copy path and direction (counted whatever
+        the verdict on its bytes: they moved). Telemetry, not books: an interrupt while a
+        result is judged may count it twice."""
+        path = getattr(result, "path", "")
+        if result.success and path:
+            direction = "load" if result.job_id in self._loads else "store"
+            self.counters.add(JOBS, path=path, direction=direction)
+            self.counters.add(BYTES, result.transfer_size, path=path, direction=direction)
 
     def _forget(self, job_id: Any) -> None:
         """Take a reported engine job off the books (its report is queued)."""
