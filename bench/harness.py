@@ -2,12 +2,18 @@
 correctness pass of the Triton kernels under the interpreter.
 
 Timing, per (case, path, direction): ``warmup`` untimed jobs, then ``repeats`` jobs one
-at a time; the figure is the median. Device time on CUDA comes from CUDA events
-recorded on the path's stream around the job (the engine records its own events
-around each job on its transfer stream and reports them as ``transfer_time``). Without
-CUDA every path is synchronous and the time is the wall clock from submit to finish.
-Host time is the wall clock of the submit call alone (on CUDA: building the job's
-tables and enqueueing it; without CUDA it includes the copy).
+at a time; the figure is the median. A run with a budget (``Config.max_seconds``, the
+command's own, less its start-up and the report's reserve) stops starting cases and
+paths at its deadline, and stops the jobs of the path running then (after one timed
+job), which says so in its note. A row whose jobs spread widely, or that beat the
+ceiling, is noise (:func:`noise_of`): the report draws no verdict from it.
+
+Device time on CUDA comes from CUDA events recorded on the path's stream around the
+job (the engine records its own events around each job on its transfer stream and
+reports them as ``transfer_time``). Without CUDA every path is synchronous and the time
+is the wall clock from submit to finish. Host time is the wall clock of the submit call
+alone (on CUDA: building the job's tables and enqueueing it; without CUDA it includes
+the copy).
 """
 
 from __future__ import annotations
@@ -93,6 +99,61 @@ class Measurement:
     #: spread of the timed jobs: GB/s of the slowest and of the fastest one
     gbps_min: float | None = None
     gbps_max: float | None = None
+    #: interquartile range of the timed jobs' seconds over their median (None: one job)
+    spread: float | None = None
+    #: seconds of every timed job, in order (``repeats`` of them)
+    job_s: list[float] = field(default_factory=list)
+
+
+#: A path moves the same bytes as the ceiling's one contiguous copy of them, and does
+#: more work: a median over this share of the ceiling's means the machine ran faster
+#: during the path's jobs than during the ceiling's, not that the path beat a memcpy.
+#: The 5% above 100 allow for two medians of short series of the same copy differing.
+NOISY_ABOVE_CEILING_PCT = 105.0
+#: A row whose middle half of jobs spread over more than this share of their median
+#: time is noise. The differences a verdict ranks are 1.2x-4x; when a quarter of the
+#: median separates the 25th from the 75th percentile job, where the median of 3-9 jobs
+#: lands is chance at that scale, and a rerun ranks differently (on a loaded 2-core
+#: machine a verdict flipped between two identical runs, one of them claiming 339% of
+#: the ceiling). The interquartile range, not the range: one job preempted by another
+#: process (seen in most CPU rows of 9 or more jobs there) moves neither it nor the
+#: median. On the same machine with little else running, 52 of 56 rows of a default and
+#: a quick CPU run stayed at or under 20% (most under 10%), and 3 went over 25% (both
+#: ceilings of one case among them).
+NOISY_SPREAD = 0.25
+
+
+def spread_of(seconds: list[float]) -> float | None:
+    """Interquartile range of ``seconds`` over their median (quartiles interpolated
+    between the jobs, so 3 jobs give half their range); None for fewer than 2."""
+    if len(seconds) < 2:
+        return None
+    q1, _, q3 = statistics.quantiles(seconds, n=4, method="inclusive")
+    return (q3 - q1) / statistics.median(seconds)
+
+
+def noise_of(m: Measurement) -> str | None:
+    """Why a timed row's figure is noise (see :data:`NOISY_ABOVE_CEILING_PCT` and
+    :data:`NOISY_SPREAD`), or None for a steady one and a row without a figure."""
+    if m.status != "ok" or m.gbps is None:
+        return None
+    above = m.pct_ceiling is not None and m.pct_ceiling > NOISY_ABOVE_CEILING_PCT
+    if m.role != "ceiling" and above:
+        return (
+            f"{m.pct_ceiling:.0f}% of the ceiling: faster than one contiguous copy of the "
+            "same bytes, so the machine's speed changed between them"
+        )
+    if m.spread is not None and m.spread > NOISY_SPREAD:
+        ranged = (
+            f"; its jobs ranged {m.gbps_min:.2f}-{m.gbps_max:.2f} GB/s"
+            if m.gbps_min is not None and m.gbps_max is not None
+            else ""
+        )
+        return (
+            f"the middle half of its {m.repeats} jobs spread over {m.spread:.0%} of their "
+            f"median{ranged}"
+        )
+    return None
 
 
 @dataclass
@@ -134,8 +195,14 @@ class Config:
     sweep_page_bytes: list[int] = field(default_factory=lambda: list(cases.SWEEP_PAGE_BYTES))
     sweep_pages: list[int] = field(default_factory=lambda: list(cases.SWEEP_PAGES))
     sweep_max_bytes: int = 512 * cases.MiB
-    #: wall-clock budget of the run: no case or path starts after it (None: no limit)
+    #: wall-clock budget of the command: no case or path starts after it and timed jobs
+    #: stop at it (None: no limit)
     max_seconds: float | None = None
+    #: seconds the command ran before measuring (start-up), spent from ``max_seconds``
+    spent_s: float = 0.0
+    #: seconds of ``max_seconds`` kept for what the command does after measuring (the
+    #: report and plots)
+    reserve_s: float = 0.0
 
 
 @dataclass
@@ -146,7 +213,12 @@ class Results:
     host_costs: list[HostCost]
     correctness: list[Measurement]
     notes: list[str]
+    #: seconds of the whole command, from ``wall_from`` (the process's start where the
+    #: command can read it) up to the last moment it set it (before writing a report)
     wall_s: float = 0.0
+    #: seconds of the measuring alone (cases, sweep, host cost, interpreted pass)
+    measuring_s: float = 0.0
+    wall_from: str = "the measuring's start"
     #: per case run: name, description, bytes and pages per job, page sizes, groups
     cases: list[dict[str, Any]] = field(default_factory=list)
     #: None for a complete run; for a cut one: ``signal``, ``phase``, ``where`` (the
@@ -159,11 +231,13 @@ class Results:
             "environment": self.environment,
             "config": self.config,
             "cases": self.cases,
-            "measurements": [asdict(m) for m in self.measurements],
+            "measurements": [{**asdict(m), "noise": noise_of(m)} for m in self.measurements],
             "host_costs": [{**asdict(h), "ratio": h.ratio} for h in self.host_costs],
             "correctness": [asdict(m) for m in self.correctness],
             "notes": self.notes,
             "wall_s": self.wall_s,
+            "wall_from": self.wall_from,
+            "measuring_s": self.measuring_s,
         }
 
 
@@ -327,14 +401,27 @@ def measure(
 
 
 def measure_samples(
-    runner: PathRunner, direction: str, device: torch.device, repeats: int, warmup: int
+    runner: PathRunner,
+    direction: str,
+    device: torch.device,
+    repeats: int,
+    warmup: int,
+    deadline: float | None = None,
 ) -> tuple[list[float], list[float]]:
-    """(device seconds, host seconds) of each of ``repeats`` jobs after ``warmup``."""
+    """(device seconds, host seconds) of each of ``repeats`` jobs after ``warmup``.
+
+    At ``deadline`` (a ``time.perf_counter()`` value) the warm-up ends and so do the
+    timed jobs, after the first: fewer than ``repeats`` come back (one slow path on a
+    busy machine overran a 15 s budget by 19 s when only paths checked it)."""
     for _ in range(warmup):
+        if _past(deadline):
+            break
         time_job(runner, direction, device)
     device_times: list[float] = []
     host_times: list[float] = []
     for _ in range(repeats):
+        if device_times and _past(deadline):
+            break
         seconds, host = time_job(runner, direction, device)
         device_times.append(seconds)
         host_times.append(host)
@@ -389,6 +476,8 @@ def _no_phase(phase: str, step: str) -> None:
 
 #: Note on the rows of paths that a run's wall-clock budget left out.
 CUT_NOTE = "cut: the run's wall-clock budget (--max-seconds) ran out before this path"
+#: Note on a row whose timed jobs the budget ended early ("...: 40 of 1000 timed jobs").
+CUT_SHORT_NOTE = "cut short by --max-seconds"
 
 
 def _past(deadline: float | None) -> bool:
@@ -407,7 +496,8 @@ def run_case(
     """Verify then time every path of ``config`` on ``case``; the ceiling first.
 
     Paths not started by ``deadline`` (a ``time.perf_counter()`` value) are reported
-    ``skipped`` with :data:`CUT_NOTE`.
+    ``skipped`` with :data:`CUT_NOTE`; a path running at the deadline stops its timed
+    jobs there (:data:`CUT_SHORT_NOTE`).
     """
     device = config.device
     ws = build_workspace(case, device)
@@ -424,7 +514,7 @@ def run_case(
     on_phase(phase, f"{case.name}, {CEILING}")
     # The ceiling runs before and after the other paths and the faster of the two
     # counts: on a shared machine one measurement can land in a noisy moment.
-    first = _run_path(CEILING, ws, config, base)
+    first = _run_path(CEILING, ws, config, base, deadline)
     # Rows are also handed out as each path ends: a run interrupted inside this case
     # keeps the paths it finished (without % of ceiling, set only once all are in).
     finished = [] if finished is None else finished
@@ -449,12 +539,13 @@ def run_case(
             )
         else:
             on_phase(phase, f"{case.name}, {name}")
-            rows = _run_path(name, ws, config, base)
+            rows = _run_path(name, ws, config, base, deadline)
             results.extend(rows)
             finished.extend(rows)
         if progress is not None:
             progress.step(f"{case.name} {name}")
-    second = first if cut else _run_path(CEILING, ws, config, base)
+    cut = cut or _past(deadline)
+    second = first if cut else _run_path(CEILING, ws, config, base, deadline)
     ceilings = [max(pair, key=lambda m: m.gbps or 0.0) for pair in zip(first, second, strict=True)]
     if not cut:
         # The ceiling's spread covers both passes: how much one contiguous copy of these
@@ -465,6 +556,12 @@ def run_case(
             if lows and highs:
                 kept.gbps_min, kept.gbps_max = min(lows), max(highs)
                 kept.repeats = sum(m.repeats for m in pair if m.status == "ok")
+                kept.job_s = [t for m in pair if m.status == "ok" for t in m.job_s]
+                kept.spread = spread_of(kept.job_s)
+                short = [m.note for m in pair if m.note.startswith(CUT_SHORT_NOTE)]
+                if short:
+                    asked = 2 * 3 * config.repeats
+                    kept.note = f"{CUT_SHORT_NOTE}: {kept.repeats} of {asked} timed jobs"
     best = {m.direction: m.gbps for m in ceilings if m.gbps is not None}
     for row in (*ceilings, *results):
         if row.gbps is not None and row.direction in best:
@@ -474,7 +571,13 @@ def run_case(
     return [*ceilings, *results]
 
 
-def _run_path(name: str, ws: Workspace, config: Config, base: dict[str, Any]) -> list[Measurement]:
+def _run_path(
+    name: str,
+    ws: Workspace,
+    config: Config,
+    base: dict[str, Any],
+    deadline: float | None = None,
+) -> list[Measurement]:
     role = role_of(name)
 
     def rows(status: str, note: str) -> list[Measurement]:
@@ -504,9 +607,21 @@ def _run_path(name: str, ws: Workspace, config: Config, base: dict[str, Any]) ->
         # The ceiling is one cheap copy: three times the repeats steadies its median.
         repeats = 3 * config.repeats if name == CEILING else config.repeats
         for direction in config.directions:
+            if _past(deadline):  # the other direction ran until the deadline
+                out.append(
+                    Measurement(
+                        path=name,
+                        role=role,
+                        direction=direction,
+                        status="skipped",
+                        note=CUT_NOTE,
+                        **base,
+                    )
+                )
+                continue
             try:
                 device_times, host_times = measure_samples(
-                    runner, direction, ws.device, repeats, config.warmup
+                    runner, direction, ws.device, repeats, config.warmup, deadline
                 )
                 device_s = statistics.median(device_times)
                 host_s = statistics.median(host_times)
@@ -527,20 +642,25 @@ def _run_path(name: str, ws: Workspace, config: Config, base: dict[str, Any]) ->
                 # One profiler session (a CUPTI start and teardown) per preset row; the
                 # sweep is about bandwidth, and its many cases would pay it each time.
                 launches = count_device_ops(runner, direction, ws.device)
+            ran = len(device_times)
             out.append(
                 Measurement(
                     path=name,
                     role=role,
                     direction=direction,
                     status="ok",
-                    note=note,
+                    note=note
+                    if ran == repeats
+                    else f"{CUT_SHORT_NOTE}: {ran} of {repeats} timed jobs",
                     device_s=device_s,
                     host_s=host_s,
                     gbps=gbps(ws.job_bytes, device_s),
                     gbps_min=gbps(ws.job_bytes, max(device_times)),
                     gbps_max=gbps(ws.job_bytes, min(device_times)),
                     launches=launches,
-                    repeats=repeats,
+                    repeats=ran,
+                    spread=spread_of(device_times),
+                    job_s=device_times,
                     **base,
                 )
             )
@@ -572,11 +692,13 @@ def correctness_pass(
     *,
     results: list[Measurement] | None = None,
     on_phase: PhaseHook = _no_phase,
+    deadline: float | None = None,
 ) -> list[Measurement]:
     """Without CUDA: Triton paths under the interpreter, byte-exact check, no GB/s.
 
     Rows are appended to ``results`` (a new list by default) as each check ends, so an
-    interrupted pass leaves the finished ones there."""
+    interrupted pass leaves the finished ones there. Checks not started by ``deadline``
+    are rows ``skipped`` with :data:`CUT_NOTE` (one interpreted check takes seconds)."""
     results = [] if results is None else results
     tiny = [] if config.quick else _tiny_presets(config)
     for case in (correctness_case(), *tiny):
@@ -592,6 +714,9 @@ def correctness_pass(
                 "page_bytes": case.typical_page_bytes,
                 "page_sizes": list(case.page_sizes),
             }
+            if _past(deadline):
+                results.append(Measurement(status="skipped", note=CUT_NOTE, **base))
+                continue
             on_phase("interpreted", f"{case.name}, {name}")
             try:
                 runner = make_path(name, ws)
@@ -786,8 +911,9 @@ def _vllm_034_job(ws: Workspace) -> tuple[Any, Any, Any]:
     return kv_caches, device_planes(kv_caches), spec
 
 
-def host_cost(case: Case, repeats: int) -> HostCost:
-    """Median host seconds to prepare one job of ``case`` (full size), both ways."""
+def host_cost(case: Case, repeats: int, deadline: float | None = None) -> HostCost:
+    """Median host seconds to prepare one job of ``case`` (full size), both ways; at
+    ``deadline`` each way stops after one timed call."""
     prep = job_preparation(case)
     try:
         ws = prep.workspace
@@ -796,21 +922,23 @@ def host_cost(case: Case, repeats: int) -> HostCost:
             blocks=sum(len(b) for b in ws.gpu_blocks),
             planes=len(ws.layout.planes),
             descriptors=ws.job_pages,
-            project_s=_median_seconds(prep.project, repeats),
-            pointer_s=_median_seconds(prep.pointers, repeats),
+            project_s=_median_seconds(prep.project, repeats, deadline),
+            pointer_s=_median_seconds(prep.pointers, repeats, deadline),
             pointer_impl=prep.pointer_impl,
-            resolve_s=_median_seconds(prep.resolve, repeats),
-            pointer_path_s=_median_seconds(prep.pointer_path, repeats),
+            resolve_s=_median_seconds(prep.resolve, repeats, deadline),
+            pointer_path_s=_median_seconds(prep.pointer_path, repeats, deadline),
             resolve_impl=prep.resolve_impl,
         )
     finally:
         prep.close()
 
 
-def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
+def _median_seconds(fn: Callable[[], object], repeats: int, deadline: float | None = None) -> float:
     fn()
-    times = []
+    times: list[float] = []
     for _ in range(repeats):
+        if times and _past(deadline):
+            break
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
@@ -853,7 +981,8 @@ def run(
     """Every case on every path, then host costs and (without CUDA) the interpreter pass.
 
     Fills ``results`` (default: :func:`new_results`) in place: an exception (an
-    interrupt) leaves every finished row in it, and ``wall_s`` up to date.
+    interrupt) leaves every finished row in it, and ``measuring_s`` and ``wall_s``
+    (``config.spent_s`` before it, plus the measuring) up to date.
 
     Without CUDA torch runs single-threaded: the engine's CPU path and the baselines
     copy on one thread, so the ceiling does too (and intra-op threads fighting over
@@ -868,7 +997,8 @@ def run(
         _run(config, show_progress, results, on_phase, started)
     finally:
         torch.set_num_threads(threads)
-        results.wall_s = time.perf_counter() - started
+        results.measuring_s = time.perf_counter() - started
+        results.wall_s = config.spent_s + results.measuring_s
     return results
 
 
@@ -902,7 +1032,11 @@ def _run(
     if interpreted:
         total += interpreted_steps(config)
     progress = Progress(total, enabled=show_progress)
-    deadline = None if config.max_seconds is None else started + config.max_seconds
+    deadline = (
+        None
+        if config.max_seconds is None
+        else started + config.max_seconds - config.spent_s - config.reserve_s
+    )
     measurements = results.measurements
     done = 0
     for case in timed:
@@ -921,22 +1055,50 @@ def _run(
         measurements.extend(rows)
         results.cases.append(case_summary(case))
         done += 1
-    if done < len(timed) or any(m.note == CUT_NOTE for m in measurements):
+    skipped_paths = any(m.note == CUT_NOTE for m in measurements)
+    shortened = any(m.note.startswith(CUT_SHORT_NOTE) for m in measurements)
+    if done < len(timed) or skipped_paths or shortened:
         left = ", ".join(case.name for case in timed[done:]) or "none"
         notes.insert(
             0,
             f"cut: the run's {config.max_seconds:g} s budget (--max-seconds) ran out after "
             f"{done} of {len(timed)} cases; not run: {left}"
+            + ("; paths marked 'cut' in a run case were not started" if skipped_paths else "")
             + (
-                "; paths marked 'skipped' (cut) in a run case were not started"
-                if any(m.note == CUT_NOTE for m in measurements)
+                f"; rows noted '{CUT_SHORT_NOTE}' ran fewer timed jobs than asked"
+                if shortened
                 else ""
             ),
         )
-    for name in config.presets:
+    _host_costs(config, results, progress, on_phase, deadline)
+    if interpreted and not _past(deadline):
+        correctness_pass(
+            config, progress, results=results.correctness, on_phase=on_phase, deadline=deadline
+        )
+        if any(m.note == CUT_NOTE for m in results.correctness):
+            notes.append("cut: the interpreted correctness pass stopped (budget ran out)")
+    elif interpreted:
+        notes.append("cut: the interpreted correctness pass did not run (budget ran out)")
+
+
+def _host_costs(
+    config: Config,
+    results: Results,
+    progress: Progress,
+    on_phase: PhaseHook,
+    deadline: float | None,
+) -> None:
+    """The host-cost comparison of every preset started before ``deadline``."""
+    notes = results.notes
+    for index, name in enumerate(config.presets):
+        if _past(deadline):
+            left = ", ".join(config.presets[index:])
+            notes.append(f"cut: host cost not measured (budget ran out): {left}")
+            break
         on_phase("host-cost", name)
         try:
-            results.host_costs.append(host_cost(cases.CASES[name], repeats=max(config.repeats, 5)))
+            repeats = max(config.repeats, 5)
+            results.host_costs.append(host_cost(cases.CASES[name], repeats, deadline))
         except Exception as error:  # the project's engine failed: report it, keep the rest
             note = f"host cost (the torch engine) raised {type(error).__name__}: {error}"
             notes.append(f"FAILED: {name} {note}")
@@ -951,10 +1113,6 @@ def _run(
                 )
             )
         progress.step(f"{name} host cost")
-    if interpreted and not _past(deadline):
-        correctness_pass(config, progress, results=results.correctness, on_phase=on_phase)
-    elif interpreted:
-        notes.append("cut: the interpreted correctness pass did not run (budget ran out)")
 
 
 def case_summary(case: Case) -> dict[str, Any]:
@@ -983,6 +1141,9 @@ __all__ = [
     "CPU_INTERPRETED_PATHS",
     "CPU_TIMED_PATHS",
     "CUT_NOTE",
+    "CUT_SHORT_NOTE",
+    "NOISY_ABOVE_CEILING_PCT",
+    "NOISY_SPREAD",
     "Config",
     "HostCost",
     "Measurement",
@@ -998,7 +1159,9 @@ __all__ = [
     "measure",
     "measure_samples",
     "new_results",
+    "noise_of",
     "percent_of",
     "run",
     "run_case",
+    "spread_of",
 ]

@@ -15,7 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from triton_offload.bench.harness import CUT_NOTE, HostCost, Measurement, Results
+from triton_offload.bench.harness import (
+    CUT_NOTE,
+    NOISY_ABOVE_CEILING_PCT,
+    HostCost,
+    Measurement,
+    Results,
+    noise_of,
+)
 
 RESULTS_JSON = "results.json"
 REPORT_MD = "report.md"
@@ -29,7 +36,11 @@ PARTIAL_MD = "report.partial.md"
 
 @dataclass(frozen=True)
 class Verdict:
-    """Who wins one (case, direction), and by how much, from one run's numbers."""
+    """Who wins one (case, direction), and by how much, from one run's numbers.
+
+    No winner and no ratio when a row the verdict would name is noise (``noisy``, see
+    :func:`~triton_offload.bench.harness.noise_of`): its median says nothing of how
+    the paths rank, and a rerun ranks them otherwise."""
 
     case: str
     direction: str
@@ -37,6 +48,7 @@ class Verdict:
     best_project: Measurement | None
     best_baseline: Measurement | None
     ceiling: Measurement | None
+    noisy: tuple[Measurement, ...] = ()
 
     @property
     def project_vs_baseline(self) -> float | None:
@@ -46,6 +58,9 @@ class Verdict:
         return self.best_project.gbps / self.best_baseline.gbps
 
     def sentence(self) -> str:
+        if self.noisy:
+            why = "; ".join(f"{m.path}: {noise_of(m)}" for m in self.noisy)
+            return f"{self.case} {self.direction}: no verdict: noisy ({why})"
         if self.winner is None:
             return f"{self.case} {self.direction}: no path was timed"
         parts = [
@@ -60,7 +75,10 @@ class Verdict:
                     f" = {ratio:.2f}x the best baseline {self.best_baseline.path} "
                     f"({_gb(self.best_baseline.gbps)})"
                 )
-            if self.best_project.pct_ceiling is not None and self.ceiling is not None:
+            ceiling_noise = None if self.ceiling is None else noise_of(self.ceiling)
+            if ceiling_noise is not None:
+                text += f", no share of the ceiling: the ceiling is noisy ({ceiling_noise})"
+            elif self.best_project.pct_ceiling is not None and self.ceiling is not None:
                 text += (
                     f", {self.best_project.pct_ceiling:.0f}% of the ceiling "
                     f"({_gb(self.ceiling.gbps)}{_ceiling_range(self.ceiling)})"
@@ -122,17 +140,39 @@ def verdicts(measurements: Sequence[Measurement]) -> list[Verdict]:
             return max(candidates, key=lambda m: m.gbps or 0.0) if candidates else None
 
         contenders = [m for m in timed if m.role != "ceiling"]
+        winner = max(contenders, key=lambda m: m.gbps or 0.0) if contenders else None
+        named = [winner, best("project"), best("baseline")]
+        # by identity: the winner is often also the best of its role
+        unique = {id(m): m for m in named if m is not None and noise_of(m)}
+        noisy = tuple(unique.values())
         out.append(
             Verdict(
                 case=case,
                 direction=direction,
-                winner=max(contenders, key=lambda m: m.gbps or 0.0) if contenders else None,
-                best_project=best("project"),
-                best_baseline=best("baseline"),
+                winner=None if noisy else winner,
+                best_project=None if noisy else named[1],
+                best_baseline=None if noisy else named[2],
                 ceiling=best("ceiling"),
+                noisy=noisy,
             )
         )
     return out
+
+
+def noise_sentence(measurements: Sequence[Measurement]) -> str | None:
+    """What the ``noisy`` column means and what to do about it; None if no row is noisy."""
+    timed = [m for m in measurements if m.status == "ok" and m.gbps is not None]
+    noisy = [m for m in timed if noise_of(m)]
+    if not noisy:
+        return None
+    return (
+        f"{len(noisy)} of {len(timed)} timed rows are noisy (column `noisy`): the middle "
+        "half of their jobs spread over more than a quarter of their median, or they ran "
+        "faster than the ceiling (one contiguous copy of the same bytes, which no path can "
+        "beat), so the machine's speed changed while they ran. No verdict is drawn from "
+        "them. For figures that hold, rerun on a quieter machine (no other jobs on its "
+        "cores or its GPU), or with more --repeats."
+    )
 
 
 # ------------------------------------------------------------------------------ tables
@@ -146,6 +186,14 @@ def _spread(m: Measurement) -> str:
     if m.gbps_min is None or m.gbps_max is None:
         return "-"
     return f"{m.gbps_min:.2f}-{m.gbps_max:.2f}"
+
+
+def _noisy_cell(m: Measurement) -> str:
+    """Why the row is noise, in a word or two ('339% ceil', 'IQR 60%'), else '-'."""
+    if noise_of(m) is None:
+        return "-"
+    above = m.role != "ceiling" and (m.pct_ceiling or 0.0) > NOISY_ABOVE_CEILING_PCT
+    return f"{m.pct_ceiling:.0f}% ceil" if above else f"IQR {m.spread:.0%}"
 
 
 def _row_cells(m: Measurement) -> list[str]:
@@ -162,6 +210,7 @@ def _row_cells(m: Measurement) -> list[str]:
         _fmt(None if m.device_s is None else m.device_s * 1e3, ".3f"),
         _fmt(None if m.host_s is None else m.host_s * 1e6, ".0f"),
         "-" if m.launches is None else str(m.launches),
+        _noisy_cell(m),
         m.note,
     ]
 
@@ -179,6 +228,7 @@ MEASUREMENT_HEADER = [
     "ms/job",
     "host us/job",
     "launches/job",
+    "noisy",
     "note",
 ]
 
@@ -249,6 +299,14 @@ def _environment_line(env: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
+def wall_line(results: Results) -> str:
+    """``wall time 102.3 s (from the process's start; measuring 77.3 s of it)``."""
+    return (
+        f"wall time {results.wall_s:.1f} s (from {results.wall_from}; measuring "
+        f"{results.measuring_s:.1f} s of it)"
+    )
+
+
 def terminal_report(results: Results) -> str:
     sections = [f"triton-offload bench -- {_environment_line(results.environment)}"]
     if not results.environment.get("cuda_available"):
@@ -263,6 +321,9 @@ def terminal_report(results: Results) -> str:
     )
     sections.append("Summary (same-run numbers):")
     sections.extend("  " + v.sentence().replace("**", "") for v in verdicts(results.measurements))
+    noise = noise_sentence(results.measurements)
+    if noise is not None:
+        sections.append(noise.replace("`", ""))
     if results.host_costs:
         impl = results.host_costs[0].pointer_impl
         sections.append(
@@ -279,12 +340,12 @@ def terminal_report(results: Results) -> str:
         sections.append(
             text_table(
                 ["case", "path", "status", "note"],
-                [[m.case, m.path, m.status, m.note] for m in results.correctness],
+                [[m.case, m.path, status_of(m), m.note] for m in results.correctness],
             )
         )
     if results.notes:
         sections.append("Notes:\n" + "\n".join(f"  - {n}" for n in results.notes))
-    sections.append(f"wall time {results.wall_s:.1f} s")
+    sections.append(wall_line(results))
     return "\n\n".join(sections)
 
 
@@ -328,6 +389,9 @@ def markdown_report(results: Results, plots: Sequence[str] = ()) -> str:
         "",
     ]
     out += [f"- {v.sentence()}" for v in verdicts(results.measurements)]
+    noise = noise_sentence(results.measurements)
+    if noise is not None:
+        out += ["", f"**Noise.** {noise}"]
     captions = {
         PLOT_PNG: "GB/s of every path on each model preset",
         SWEEP_PNG: "GB/s vs page size and pages per job (raw sweep)",
@@ -399,12 +463,17 @@ def markdown_report(results: Results, plots: Sequence[str] = ()) -> str:
             "",
             markdown_table(
                 ["case", "path", "status", "note"],
-                [[m.case, m.path, m.status, m.note] for m in results.correctness],
+                [[m.case, m.path, status_of(m), m.note] for m in results.correctness],
             ),
         ]
     if results.notes:
         out += ["", "## Notes", ""] + [f"- {n}" for n in results.notes]
-    out += ["", f"Wall time of the run: {results.wall_s:.1f} s.", ""]
+    out += [
+        "",
+        f"Wall time of the command: {results.wall_s:.1f} s from {results.wall_from}, up to "
+        f"the writing of this report (measuring: {results.measuring_s:.1f} s of it).",
+        "",
+    ]
     return "\n".join(out)
 
 
@@ -851,6 +920,7 @@ def _payload(results: Results) -> dict[str, Any]:
             "ceiling_gbps": v.ceiling.gbps if v.ceiling else None,
             "ceiling_gbps_min": v.ceiling.gbps_min if v.ceiling else None,
             "ceiling_gbps_max": v.ceiling.gbps_max if v.ceiling else None,
+            "noisy": [m.path for m in v.noisy],
             "text": v.sentence().replace("**", ""),
         }
         for v in verdicts(results.measurements)
@@ -916,12 +986,14 @@ __all__ = [
     "SWEEP_PNG",
     "Verdict",
     "markdown_report",
+    "noise_sentence",
     "plot",
     "preset_figure",
     "status_of",
     "sweep_figure",
     "terminal_report",
     "verdicts",
+    "wall_line",
     "write_all",
     "write_partial",
 ]

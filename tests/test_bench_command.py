@@ -162,8 +162,20 @@ def test_quick_run_writes_table_json_report_and_plot(
     assert described["llama3.1-8b-tp4"]["groups"][0]["plane_bytes"] == [8192, 8192]
     report = (out / "report.md").read_text()
     assert "## Cases" in report and "8,192 B + 8,192 B" in report
-    assert "llama3.1-8b-tp4 store: fastest path" in report
-    assert "the best baseline" in report and "of the ceiling" in report
+    # A verdict, or none where a row it would name is noise (a loaded machine): said so.
+    for verdict in payload["summary"]:
+        said = f"{verdict['case']} {verdict['direction']}: "
+        if verdict["noisy"]:
+            assert verdict["winner"] is None and said + "no verdict: noisy (" in report
+            assert "timed rows are noisy (column `noisy`)" in report
+        else:
+            assert verdict["winner"] is not None and said + "fastest path" in report
+            assert "the best baseline" in verdict["text"]
+    for m in timed:  # noise is judged from the row's own numbers
+        above = m["role"] != "ceiling" and m["pct_ceiling"] > harness.NOISY_ABOVE_CEILING_PCT
+        wide = m["spread"] is not None and m["spread"] > harness.NOISY_SPREAD
+        assert (m["noise"] is not None) == (above or wide), m
+        assert len(m["job_s"]) == m["repeats"]
 
 
 def test_a_project_path_that_raises_while_built_is_failed_and_exits_1(

@@ -28,8 +28,9 @@ def _m(
     path: str, role: str, value: float | None, direction: str = "store", **kw: object
 ) -> Measurement:
     status = kw.pop("status", "ok" if value is not None else "FAILED")
+    pct = kw.pop("pct_ceiling", None if value is None else 100 * value / 50.0)
     return Measurement(
-        case="llama3.1-8b-tp4",
+        case=str(kw.pop("case", "llama3.1-8b-tp4")),
         path=path,
         role=role,
         direction=direction,
@@ -41,7 +42,7 @@ def _m(
         device_s=None if value is None else (64 << 20) / value / 1e9,
         host_s=None if value is None else 1e-4,
         gbps=value,
-        pct_ceiling=None if value is None else 100 * value / 50.0,
+        pct_ceiling=pct,  # type: ignore[arg-type]
         launches=1,
         repeats=5,
         **kw,  # type: ignore[arg-type]
@@ -200,3 +201,105 @@ def test_status_of_names_a_cut_path() -> None:
         "unavailable",
         "FAILED",
     }
+
+
+def _noisy_results() -> Results:
+    """Store: torch above the ceiling (a slow moment during the ceiling's jobs). Load:
+    the middle half of per-page-copy's jobs spread over 60% of their median. The rows
+    of another case are steady."""
+    results = _results()
+    results.measurements = [
+        _m("ceiling", "ceiling", 2.0, gbps_min=1.9, gbps_max=2.1),
+        _m("torch", "project", 6.78, gbps_min=6.5, gbps_max=7.0, pct_ceiling=339.0),
+        _m("per-page-copy", "baseline", 1.9, gbps_min=1.8, gbps_max=2.0, pct_ceiling=95.0),
+        _m("ceiling", "ceiling", 8.0, direction="load", gbps_min=7.9, gbps_max=8.1),
+        _m("torch", "project", 3.0, direction="load", gbps_min=2.9, gbps_max=3.1),
+        _m(
+            "per-page-copy",
+            "baseline",
+            4.0,
+            direction="load",
+            gbps_min=1.5,
+            gbps_max=6.0,
+            spread=0.6,
+        ),
+        _m("ceiling", "ceiling", 10.0, case="steady", gbps_min=9.9, gbps_max=10.1),
+        _m("torch", "project", 8.0, case="steady", gbps_min=7.9, gbps_max=8.1),
+        _m("per-page-copy", "baseline", 2.0, case="steady", gbps_min=1.9, gbps_max=2.1),
+    ]
+    return results
+
+
+def test_noise_is_judged_from_the_ceiling_and_the_spread() -> None:
+    rows = {(m.case, m.direction, m.path): m for m in _noisy_results().measurements}
+    above = harness.noise_of(rows[("llama3.1-8b-tp4", "store", "torch")])
+    assert above is not None and "339% of the ceiling" in above
+    spread = harness.noise_of(rows[("llama3.1-8b-tp4", "load", "per-page-copy")])
+    assert spread is not None and "middle half of its 5 jobs spread over 60%" in spread
+    assert "jobs ranged 1.50-6.00 GB/s" in spread
+    for key, m in rows.items():
+        if key not in {
+            ("llama3.1-8b-tp4", "store", "torch"),
+            ("llama3.1-8b-tp4", "load", "per-page-copy"),
+        }:
+            assert harness.noise_of(m) is None, key
+    # within a few percent of the ceiling is measurement error, not noise; so is a
+    # spread under a quarter of the median, and one slow job (the range) alone
+    assert harness.noise_of(_m("dma", "project", 40.0, pct_ceiling=104.0)) is None
+    steady = _m("dma", "project", 40.0, spread=0.2, gbps_min=0.5, gbps_max=41.0)
+    assert harness.noise_of(steady) is None
+    assert harness.spread_of([1.0]) is None
+    assert harness.spread_of([1.0, 2.0, 3.0]) == pytest.approx(0.5)  # half the range
+    assert harness.spread_of([1.0, 1.0, 1.0, 1.0, 9.0]) == 0.0  # one preempted job
+    # rows without a figure are never noisy
+    assert harness.noise_of(_m("dma", "project", None)) is None
+
+
+def test_no_verdict_from_noisy_rows(tmp_path: Path) -> None:
+    results = _noisy_results()
+    store, load, steady = report.verdicts(results.measurements)
+    for verdict in (store, load):
+        text = verdict.sentence()
+        assert "no verdict: noisy" in text, text
+        assert "fastest" not in text and "x the best baseline" not in text, text
+        assert verdict.winner is None and verdict.project_vs_baseline is None
+    assert "torch: 339% of the ceiling" in store.sentence()
+    assert "per-page-copy: the middle half of its 5 jobs spread over 60%" in load.sentence()
+    assert "fastest path **torch**" in steady.sentence() and steady.noisy == ()
+
+    written = report.write_all(results, tmp_path)
+    payload = json.loads(written["json"].read_text())
+    noise = {(m["case"], m["direction"], m["path"]): m["noise"] for m in payload["measurements"]}
+    assert noise[("llama3.1-8b-tp4", "store", "torch")].startswith("339% of the ceiling")
+    assert noise[("steady", "store", "torch")] is None
+    summary = {(s["case"], s["direction"]): s for s in payload["summary"]}
+    assert summary[("llama3.1-8b-tp4", "store")]["winner"] is None
+    assert summary[("llama3.1-8b-tp4", "store")]["noisy"] == ["torch"]
+    assert summary[("steady", "store")]["winner"] == "torch"
+    markdown = written["markdown"].read_text()
+    header = next(line for line in markdown.splitlines() if line.startswith("| case | dir | path"))
+    assert header.endswith("| noisy | note |")
+    assert "| torch | project | ok | 6.78 |" in markdown and "| 339% ceil |" in markdown
+    assert "| IQR 60% |" in markdown
+    assert "2 of 9 timed rows are noisy" in markdown
+    assert "quieter machine" in markdown and "--repeats" in markdown
+    text = report.terminal_report(results)
+    assert "no verdict: noisy" in text and "2 of 9 timed rows are noisy" in text
+
+
+def test_a_noisy_ceiling_gives_no_percentage() -> None:
+    rows = [
+        _m("ceiling", "ceiling", 5.0, gbps_min=2.27, gbps_max=8.49, spread=0.8),
+        _m("torch", "project", 4.0, gbps_min=3.9, gbps_max=4.1, pct_ceiling=80.0),
+        _m("per-page-copy", "baseline", 1.0, gbps_min=0.98, gbps_max=1.02, pct_ceiling=20.0),
+    ]
+    (verdict,) = report.verdicts(rows)
+    text = verdict.sentence()
+    assert "fastest path **torch**" in text and "4.00x the best baseline" in text
+    assert "% of the ceiling" not in text
+    assert "no share of the ceiling: the ceiling is noisy" in text
+
+
+def test_steady_rows_have_no_noise_note() -> None:
+    text = report.terminal_report(_results())
+    assert "timed rows are noisy" not in text

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import io
 import signal
+import sys
+from typing import Any
+
+import pytest
 
 from triton_offload.cli import interrupt
 from triton_offload.cli.interrupt import HEARTBEAT_SECONDS, PhaseTracker
@@ -55,3 +59,38 @@ def test_signal_at_syntax() -> None:
         2,
         signal.SIGTERM,
     )
+
+
+def test_verify_prints_a_line_as_each_scenario_starts(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`verify --backend triton` ran 92 interpreted scenarios in a minute without a line
+    (a scenario is a step, and steps reset the heartbeat without printing): a line on
+    stderr as each scenario starts, before it ends."""
+    from triton_offload.cli import main
+    from triton_offload.verify import serving
+
+    real = serving.run_scenario
+
+    def run_scenario(server: Any, scenario: Any, max_new_tokens: int) -> Any:
+        result = real(server, scenario, max_new_tokens)
+        print(f"FINISHED {scenario.name}", file=sys.stderr)
+        return result
+
+    monkeypatch.setattr(serving, "run_scenario", run_scenario)
+    argv = ["verify", "--backend", "triton", "--preset", "mamba-tiny", "--dcp", "1"]
+    assert main([*argv, "--blocks-per-chunk", "1"]) == 0
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("verify: the scenarios"), lines
+    finished = [i for i, line in enumerate(lines) if line.startswith("FINISHED ")]
+    assert len(finished) == 8, lines
+    previous = 0
+    for number, index in enumerate(finished, start=1):
+        name = lines[index].removeprefix("FINISHED ")
+        started = [
+            line
+            for line in lines[previous:index]
+            if line.startswith(f"verify: scenario {number}/8 {name} [")
+        ]
+        assert len(started) == 1, lines[previous : index + 1]
+        previous = index

@@ -199,7 +199,10 @@ def test_a_hung_test_file_is_killed_and_reported(tmp_path: Path) -> None:
     summary = (out / "summary.txt").read_text()
     assert done.returncode == 1, summary
     assert re.search(
-        rf"^  {re.escape(str(hung))} rc=(124|137) \d+ s TIMED OUT after 12 s$", summary, re.M
+        rf"^  {re.escape(str(hung))} rc=137 \d+ s HUNG: no stop within 5 s of SIGINT at its "
+        r"12 s cap; killed$",
+        summary,
+        re.M,
     ), summary
     assert re.search(r"^  tests/test_engine_expedited.py rc=0 \d+ s$", summary, re.M), summary
     assert "\ngpu-tests        rc=1 " in summary
@@ -240,3 +243,64 @@ def test_cuda_tests_collect_without_vllm(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "error" not in done.stdout.splitlines()[-1].lower(), done.stdout[-2000:]
     assert "tests/test_engine_cuda.py::" in done.stdout
+
+
+def test_a_file_over_its_cap_is_slow_not_failed(tmp_path: Path) -> None:
+    """On a loaded machine a test file can outlast its cap without anything being wrong
+    (its collection alone took 13 s): stopped at the cap, it is reported SLOW and does
+    not fail the check, and neither do the files its overrun left no time for. Only
+    the gpu-tests step runs (GPU_CHECK_STEPS), under a cap made small (GPU_CHECK_CAPS)."""
+    slow = tmp_path / "test_slow_probe.py"
+    # Slow, not hung: the import sleeps, and SIGINT stops it as it stops pytest.
+    slow.write_text("import time\n\ntime.sleep(600)\n")
+    files = f"{slow} 12 0;tests/test_engine_expedited.py 30 20"
+    out = tmp_path / "out"
+    env = {"GPU_CHECK_TEST_FILES": files, "GPU_CHECK_STEPS": "gpu-tests"}
+    done = _run(
+        tmp_path, str(out), "--dry-run", env_extra={**env, "GPU_CHECK_CAPS": "gpu-tests=20"}
+    )
+    summary = (out / "summary.txt").read_text()
+    assert done.returncode == 0, summary
+    assert re.search(
+        rf"^  {re.escape(str(slow))} rc=124 \d+ s SLOW: exceeded its 12 s cap$", summary, re.M
+    ), summary
+    assert re.search(
+        r"^  tests/test_engine_expedited.py not run: SLOW, the step's 20 s cap was spent$",
+        summary,
+        re.M,
+    ), summary
+    assert re.search(
+        r"^gpu-tests +rc=0 +\d+ s  SLOW: step gpu-tests spent its 20 s cap \(1 file\(s\) not run",
+        summary,
+        re.M,
+    )
+    for name in ("facts", "presets", "grid-sweep", "sweep"):
+        assert re.search(rf"^{name} +not selected \(GPU_CHECK_STEPS\)", summary, re.M), summary
+    assert re.search(r"^slow: gpu-tests \(exceeded their caps; not failures\)$", summary, re.M)
+    assert re.search(r"^wall \d+ s of \d+ s; exit 0$", summary, re.M), summary
+    merged = ET.parse(out / "gpu-tests.xml").getroot()
+    assert merged.get("failures") == "0" and merged.get("errors") == "0"
+
+
+def test_a_failing_file_still_fails_the_check(tmp_path: Path) -> None:
+    """Slowness is forgiven, a wrong result is not: a file that errors fails the step."""
+    broken = tmp_path / "test_broken_probe.py"
+    broken.write_text("raise RuntimeError('wrong bytes in the probe')\n")
+    out = tmp_path / "out"
+    env = {"GPU_CHECK_TEST_FILES": f"{broken} 30 0", "GPU_CHECK_STEPS": "gpu-tests"}
+    done = _run(tmp_path, str(out), "--dry-run", env_extra=env)
+    summary = (out / "summary.txt").read_text()
+    assert done.returncode == 1, summary
+    assert re.search(rf"^  {re.escape(str(broken))} rc=2 \d+ s$", summary, re.M), summary
+    assert re.search(r"^gpu-tests +rc=1 ", summary, re.M) and "SLOW" not in summary
+    assert re.search(r"^wall \d+ s of \d+ s; exit 1$", summary, re.M), summary
+
+
+def test_caps_and_steps_from_the_environment_are_checked(tmp_path: Path) -> None:
+    for env, named in (
+        ({"GPU_CHECK_CAPS": "gpu-tests=fast"}, "GPU_CHECK_CAPS: 'gpu-tests=fast'"),
+        ({"GPU_CHECK_CAPS": "warp-drive=10"}, "GPU_CHECK_CAPS: unknown step 'warp-drive'"),
+        ({"GPU_CHECK_STEPS": "gpu-tests,tea"}, "GPU_CHECK_STEPS: unknown step 'tea'"),
+    ):
+        done = _run(tmp_path, str(tmp_path / "out"), "--dry-run", env_extra=env)
+        assert done.returncode == 2 and named in done.stderr, (env, done.stderr)

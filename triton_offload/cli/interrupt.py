@@ -149,13 +149,19 @@ class PhaseTracker:
         """``'the timed cases (llama3.1-8b-tp4, dma)'``: the phase and its current step."""
         return self.label() + (f" ({self.detail})" if self.detail else "")
 
-    def enter(self, phase: str, detail: str = "") -> None:
+    def enter(self, phase: str, detail: str = "", *, line: str | None = None) -> None:
+        """Record the step; print the phase's line when the phase changes, and
+        ``line`` when given (a step long enough to be announced on its own: one of
+        verify's scenarios takes seconds under the Triton interpreter, and a run of them
+        printed nothing for a minute, each step resetting the heartbeat)."""
         changed = phase != self.phase
         with self._lock:
             self.phase, self.detail = phase, detail
             self._last_line = time.monotonic()
         if changed and self.progress:
             self._write(f"{self.command}: {self.label(phase)}")
+        if line is not None and self.progress:
+            self._write(f"{self.command}: {line}")
         self._counts[phase] = self._counts.get(phase, 0) + 1
         if self._signal_at is not None:
             target, count, signum = self._signal_at

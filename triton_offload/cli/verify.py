@@ -14,6 +14,7 @@ scenario differs.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import signal
@@ -312,13 +313,16 @@ def run(args: argparse.Namespace) -> int:
                 flush=True,
             )
             start = time.perf_counter()
+            number = itertools.count(1)
             run_scenarios(
                 scenarios,
                 backend=args.backend,
                 inject=args.inject,
                 max_new_tokens=args.max_new_tokens,
                 results=results,
-                on_scenario=lambda s: tracker.enter("scenarios", s.name),
+                on_scenario=lambda s: tracker.enter(
+                    "scenarios", s.name, line=f"scenario {next(number)}/{len(scenarios)} {s.name}"
+                ),
             )
             elapsed = time.perf_counter() - start
             tracker.enter("report")
