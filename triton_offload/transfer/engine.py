@@ -46,7 +46,8 @@ wait for a copy. ``wait`` on an id another thread already reported raises ValueE
 Failures: a job interrupted by any exception, ``KeyboardInterrupt`` included, is
 reported ``success=False``; an ``Exception`` is logged, anything else propagates from
 the submit after the job was marked failed. A failed job has stopped writing when it
-is reported.
+is reported. A CPU job accepted before ``shutdown`` whose copy had not begun when the
+pool was released moves no byte and is reported failed.
 
 Caches: the engine keeps raw addresses. Each registered tensor's data pointer and
 storage size are compared with their values at construction on every submit; after a
@@ -710,6 +711,17 @@ class TransferEngine:
         job.success = False
         try:
             with self._copy_locks[job.lane]:
+                if self._closed:
+                    # shutdown released the pool between this submit's check of the books
+                    # and here (it takes every copy lock first, so a copy holding one is
+                    # safe): the runs would move bytes by raw address to or from released
+                    # memory. Reported failed below, like any copy that failed.
+                    logger.error(
+                        "%s job %r failed: the engine was shut down before it copied",
+                        DIRECTION_NAMES[job.direction],
+                        job.job_id,
+                    )
+                    return
                 runs = self._prepare(job, table, None)
                 start = time.perf_counter()
                 for run in runs:

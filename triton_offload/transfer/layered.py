@@ -14,7 +14,9 @@ Each job is validated once, before any byte moves, and reported once by the engi
 ``get_finished`` (one ``TransferResult`` per job, FIFO in the expedited lane), with its
 page checksums when asked: the sums of every stage add up to the page's (the passes over
 the slots and bytes a job does not move run after the last stage). A stage that fails
-fails every job of the submission exactly once and releases every remaining wait.
+fails every job of the submission exactly once and releases every remaining wait; so
+does a CPU copy thread that takes the lane's copy lock only after ``shutdown`` released
+the pool (it copies nothing).
 """
 
 from __future__ import annotations
@@ -311,6 +313,16 @@ def _run_cpu(
         if settled:
             return  # the submit was interrupted and failed the jobs: copy nothing
         with engine._copy_locks[EXPEDITED_LOAD]:
+            if engine._closed:
+                # shutdown released the pool while this thread was on its way to the lock
+                # (shutdown takes every copy lock first, so a copy holding it is safe):
+                # the runs would move bytes by raw address from released memory.
+                logger.error(
+                    "layer-staged load jobs %s failed: the engine was shut down before they copied",
+                    list(handle.job_ids),
+                )
+                handle.fail_all()
+                return
             prepared = [_job_runs(engine, job, table, stages, None) for job, table in made]
             for number in range(len(stages)):
                 for per_stage, _ in prepared:
