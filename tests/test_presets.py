@@ -14,7 +14,7 @@ from triton_offload.planner.presets import PRESETS, describe_presets, preset_nam
 from triton_offload.verify import serving
 from triton_offload.verify.model import ModelConfig
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+COMMANDS_DOC = Path(__file__).resolve().parent.parent / "docs" / "commands.md"
 
 
 def _shape(spec: GroupSpec) -> tuple[object, ...]:
@@ -64,13 +64,13 @@ def test_tiny_presets_scale_down_a_named_model_or_say_what_they_are() -> None:
             assert f"{base} scaled down" in PRESETS[name].description
 
 
-def test_help_text_and_readme_list_every_preset() -> None:
+def test_help_text_and_the_commands_page_list_every_preset() -> None:
     text = describe_presets()
-    readme = README.read_text()
+    page = COMMANDS_DOC.read_text()
     for name, preset in PRESETS.items():
         assert re.search(rf"^  {re.escape(name)} +\[{', '.join(preset.commands)}\]", text, re.M)
-        row = [line for line in readme.splitlines() if line.startswith(f"| `{name}` |")]
-        assert len(row) == 1, f"README lists preset {name} {len(row)} times"
+        row = [line for line in page.splitlines() if line.startswith(f"| `{name}` |")]
+        assert len(row) == 1, f"docs/commands.md lists preset {name} {len(row)} times"
         cells = [cell.strip() for cell in row[0].strip().strip("|").split("|")]
         expected = ["yes" if c in preset.commands else "-" for c in ("plan", "bench", "verify")]
         assert cells[-3:] == expected, row[0]

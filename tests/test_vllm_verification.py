@@ -1,6 +1,6 @@
 """Verification rides the data: what a sealed worker guarantees, on the CPU and kernel paths.
 
-The guarantee (README "Verified chunks"): no byte of a page whose seal does not verify
+The guarantee (docs/verification.md): no byte of a page whose seal does not verify
 is ever reported loaded. A load's result is a success only if every page it read has
 a whole v2 seal of this configuration, layout, place and key, and the checksum its
 copy computed over the page's payload equals the seal's; otherwise the chunk's GPU

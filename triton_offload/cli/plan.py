@@ -144,7 +144,7 @@ def parse_group(text: str) -> GroupSpec:
         raise argparse.ArgumentTypeError(f"{text!r}: {error}") from None
 
 
-#: What each column of the table means (``plan --help`` and the README say the same).
+#: What each column of the table means (``plan --help`` and docs/commands.md say the same).
 COLUMNS = """\
 columns of the table:
   block      tokens per GPU block on one rank

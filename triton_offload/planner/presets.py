@@ -224,7 +224,7 @@ _ALL: tuple[ModelPreset, ...] = (
     ),
 )
 
-#: name -> preset, in the order ``--help`` and the README list them.
+#: name -> preset, in the order ``--help`` and docs/commands.md list them.
 PRESETS: dict[str, ModelPreset] = {p.name: p for p in _ALL}
 
 

@@ -79,7 +79,7 @@ def _checkpoint_id_option(extra: Mapping[str, Any]) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class EngineOptions:
-    """This spec's own extra-config keys, validated (see the README for each).
+    """This spec's own extra-config keys, validated (docs/vllm.md describes each).
 
     ``backend``: "auto" (on CUDA the copy kernel for some planes and DMA for others,
     chosen per plane from the crossover, so one job may use both; the CPU path without
