@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -160,6 +161,42 @@ def test_printed_wall_time_is_the_whole_commands(tmp_path: Path) -> None:
     assert payload["wall_from"] == "the process's start"
     # The narrower figure keeps its own name; start-up and report come on top of it.
     assert 0 < payload["measuring_s"] < payload["wall_s"] <= float(match.group(1))
+
+
+def test_wall_time_leaves_out_what_the_process_ran_before_the_command(tmp_path: Path) -> None:
+    """`bash -c "pip install ... && triton-offload bench"`: bash execs the last command in
+    its own process, so the process started with the shell, before pip (a run printed
+    59.1 s for a bench of about 4 s). The wall time and the budget are the command's: the
+    shell's 5 s of sleep must not count, and the line says what it is measured from."""
+    out = tmp_path / "bench"
+    argv = [*QUICK, "--paths", "torch", "--directions", "store", "--out", str(out)]
+    sleep_s = 5.0
+    # `exec` spelled out: bash 5.1 and later exec the last command of `-c` by
+    # themselves, older ones fork; this test is about the exec.
+    script = f"sleep {sleep_s} && exec " + " ".join(shlex.quote(w) for w in _bench_process(argv))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    began = time.perf_counter()
+    with subprocess.Popen(
+        ["bash", "-c", script], stdout=subprocess.PIPE, text=True, env=env
+    ) as process:
+        assert process.stdout is not None
+        printed = None
+        for line in process.stdout:
+            if line.startswith("wall time "):
+                seen = time.perf_counter() - began
+                printed = line
+        assert process.wait(timeout=300) == 0
+    assert printed is not None, "no wall time line"
+    match = re.match(r"wall time (\d+\.\d) s \(from (.*); measuring ", printed)
+    assert match, printed
+    wall_s = float(match.group(1))
+    # At most the time after the sleep; short of it by the interpreter's start-up (not
+    # seen from the exec'd process) and the pipe only.
+    assert seen - sleep_s - 1.5 <= wall_s <= seen - sleep_s + 0.1, (printed, seen)
+    assert "into a process that ran another program first" in match.group(2), printed
+    payload = _payload(out)
+    assert payload["wall_from"] == match.group(2)
+    assert 0 < payload["measuring_s"] < payload["wall_s"] <= wall_s
 
 
 #: A run that takes minutes without a budget: 1,000 timed jobs of every path (the

@@ -13,9 +13,16 @@ import argparse
 import importlib
 import importlib.metadata
 import sys
+import time
 from collections.abc import Iterable, Sequence
 
 from triton_offload.cli.args import OneLineErrorParser, UsageError
+
+#: ``time.perf_counter()`` when the CLI was imported: in a ``triton-offload`` or
+#: ``python -m triton_offload`` process, the earliest moment this program is known to run.
+#: The process may be older: a shell that ran other commands can exec this one in its
+#: own process (``bash -c "pip install ... && triton-offload bench"``).
+CLI_IMPORTED_AT = time.perf_counter()
 
 # sub-command -> (module, one-line help); each module has configure_parser and run.
 _COMMANDS: dict[str, tuple[str, str]] = {

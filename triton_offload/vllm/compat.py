@@ -23,7 +23,8 @@ SUPPORTED_VLLM = ">=0.33,<0.35"
 SPEC_NAME = "TritonOffloadingSpec"
 TIERING_SPEC_NAME = "TritonTieringOffloadingSpec"
 CONNECTOR_NAME = "TritonOffloadingConnector"
-#: The module path every registered name resolves through (the configurations in docs/vllm.md name it).
+#: The module path every registered name resolves through (docs/vllm.md's configurations
+#: name it).
 MODULE_PATH = "triton_offload.vllm"
 
 #: The top-level ``kv_connector_extra_config`` keys vLLM's offloading code reads, per
