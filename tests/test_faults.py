@@ -92,14 +92,6 @@ def record(fault: str) -> Row:
 # ------------------------------------------------------------------ the workload
 
 
-@pytest.fixture
-def engines() -> Any:
-    made: list[Engine] = []
-    yield made
-    for engine in made:
-        engine.close()
-
-
 def make_engine(engines: list[Engine], tmp_path: Path, **extra: Any) -> Engine:
     engine = Engine(tmp_path, "recompute", extra_config=extra or None)
     engines.append(engine)

@@ -36,7 +36,7 @@ import random
 import sys
 import time
 import uuid
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 import pytest
@@ -497,6 +497,19 @@ def _load(worker: Any, job_id: int, chunk: int, blocks: list[int]) -> None:
     assert worker.submit_load(job_id, host, GPULoadStoreSpec(blocks, [len(blocks), 0], [0, 0]))
 
 
+@contextlib.contextmanager
+def _sealed_worker_with_three_stores() -> Iterator[Any]:
+    """A sealed worker that accepted stores 0, 1 and 2 (job j: chunk j from blocks 2j and
+    2j + 1), not yet reported; shut down after."""
+    worker = _sealed_worker()
+    try:
+        for job in range(3):
+            _store(worker, job, chunk=job, blocks=[2 * job, 2 * job + 1])
+        yield worker
+    finally:
+        worker.shutdown()
+
+
 def _interrupt_second_call(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str) -> list[int]:
     calls = [0]
     original = getattr(owner, name)
@@ -519,10 +532,7 @@ def test_an_interrupt_while_the_worker_seals_stores_loses_none(
     the books; an interrupt while sealing the second of three stores lost the second and
     the third. Now all three are reported once, sealed (a load of each verifies)."""
     pytest.importorskip("vllm")
-    worker = _sealed_worker()
-    try:
-        for job in range(3):
-            _store(worker, job, chunk=job, blocks=[2 * job, 2 * job + 1])
+    with _sealed_worker_with_three_stores() as worker:
         calls = _interrupt_second_call(monkeypatch, worker.sealer, "seal_pages")
         with pytest.raises(KeyboardInterrupt):
             worker.get_finished() if caller == "get_finished" else worker.wait([0, 1, 2])
@@ -535,8 +545,6 @@ def test_an_interrupt_while_the_worker_seals_stores_loses_none(
             _load(worker, 10 + job, chunk=job, blocks=[6 + 2 * job, 7 + 2 * job])
         results = worker.get_finished()
         assert sorted((r.job_id, r.success) for r in results) == [(j, True) for j in (10, 11, 12)]
-    finally:
-        worker.shutdown()
 
 
 @pytest.mark.parametrize("caller", ["get_finished", "wait"])
@@ -547,10 +555,7 @@ def test_an_interrupt_while_the_worker_verifies_loads_loses_none(
     (its seal headers) lost the second and the third. Now the verdicts are computed
     again and each load is reported once, verified."""
     pytest.importorskip("vllm")
-    worker = _sealed_worker()
-    try:
-        for job in range(3):
-            _store(worker, job, chunk=job, blocks=[2 * job, 2 * job + 1])
+    with _sealed_worker_with_three_stores() as worker:
         assert len(worker.get_finished()) == 3
         for job in range(3):
             _load(worker, 10 + job, chunk=job, blocks=[6 + 2 * job, 7 + 2 * job])
@@ -562,8 +567,6 @@ def test_an_interrupt_while_the_worker_verifies_loads_loses_none(
         results = worker.get_finished()
         assert sorted((r.job_id, r.success) for r in results) == [(j, True) for j in (10, 11, 12)]
         assert worker.get_finished() == []
-    finally:
-        worker.shutdown()
 
 
 def test_an_interrupt_at_the_worker_s_return_keeps_its_results() -> None:

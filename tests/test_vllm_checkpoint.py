@@ -17,11 +17,13 @@ with vLLM's real fs tier in one shared root:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import shutil
 import types
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -67,26 +69,37 @@ def load(tiered: Tiered, job: int) -> Any:
     return result
 
 
+@contextlib.contextmanager
+def stored_then_re_saved(
+    checkpoints: dict[int, Path], tmp_path: Path, then: int, **extra: Any
+) -> Iterator[tuple[Tiered, str]]:
+    """Checkpoint 0 served from one folder by a producer (``extra``: its extra config)
+    that stores ``key(0)`` from blocks 3 and 8 into the fs tier at ``tmp_path / "fs"``;
+    then checkpoint ``then`` saved in that folder. Yields the producer and the model
+    name (the folder's path); the producer is closed after."""
+    folder = tmp_path / "served" / "llama"
+    name = serve(checkpoints[0], folder)
+    producer = Tiered(tmp_path / "fs", model=name, **extra)
+    try:
+        producer.store([key(0)], [3, 8])
+        serve(checkpoints[then], folder)
+        yield producer, name
+    finally:
+        producer.close()
+
+
 def test_a_re_saved_checkpoint_gets_storage_names_of_its_own(
     checkpoints: dict[int, Path], tmp_path: Path
 ) -> None:
-    name = serve(checkpoints[0], tmp_path / "served" / "llama")
-    producer = Tiered(tmp_path / "fs", model=name)
-    try:
-        producer.store([key(0)], [3, 8])
+    # Checkpoint 1 updated under the same name.
+    with stored_then_re_saved(checkpoints, tmp_path, then=1) as (producer, name):
         assert os.path.exists(producer.file(key(0)))
-        serve(checkpoints[1], tmp_path / "served" / "llama")  # updated under the same name
-        consumer = Tiered(tmp_path / "fs", model=name)
-        try:
+        with contextlib.closing(Tiered(tmp_path / "fs", model=name)) as consumer:
             assert consumer.spec.config.model.name == producer.spec.config.model.name
             assert consumer.spec.seal_config_digest() != producer.spec.seal_config_digest()
             assert consumer.file(key(0)) != producer.file(key(0))
             seen = consumer.lookup_until_settled(key(0))
             assert seen[-1] is LookupResult.MISS and LookupResult.HIT_PENDING not in seen
-        finally:
-            consumer.close()
-    finally:
-        producer.close()
 
 
 def test_a_chunk_of_another_checkpoint_at_a_colliding_name_is_refused_by_its_seal(
@@ -95,77 +108,54 @@ def test_a_chunk_of_another_checkpoint_at_a_colliding_name_is_refused_by_its_sea
     """Where a name collides anyway (an fs folder copied, a tier that names chunks by
     block hash alone), the seal's configuration digest carries the checkpoint: the
     promotion is refused, the key quarantined, nothing loaded."""
-    name = serve(checkpoints[0], tmp_path / "served" / "llama")
-    producer = Tiered(tmp_path / "fs", model=name)
-    try:
-        producer.store([key(0)], [3, 8])
-        serve(checkpoints[1], tmp_path / "served" / "llama")
-        consumer = Tiered(tmp_path / "fs", model=name)
-        try:
-            theirs, ours = producer.file(key(0)), consumer.file(key(0))
-            if theirs != ours:
-                os.makedirs(os.path.dirname(ours), exist_ok=True)
-                shutil.copyfile(theirs, ours)
-            with caplog.at_level("WARNING", logger="vllm.triton_offload"):
-                seen = consumer.lookup_until_settled(key(0))
-            assert seen[-1] is LookupResult.MISS
-            guard = consumer.manager.triton_guard
-            assert guard.promotions_refused == 1
-            assert bytes(key(0)) in guard.quarantined
-            assert "another configuration's chunk" in caplog.text
-            assert consumer.lookup_until_settled(key(0)) == [LookupResult.MISS]
-        finally:
-            consumer.close()
-    finally:
-        producer.close()
+    with (
+        stored_then_re_saved(checkpoints, tmp_path, then=1) as (producer, name),
+        contextlib.closing(Tiered(tmp_path / "fs", model=name)) as consumer,
+    ):
+        theirs, ours = producer.file(key(0)), consumer.file(key(0))
+        if theirs != ours:
+            os.makedirs(os.path.dirname(ours), exist_ok=True)
+            shutil.copyfile(theirs, ours)
+        with caplog.at_level("WARNING", logger="vllm.triton_offload"):
+            seen = consumer.lookup_until_settled(key(0))
+        assert seen[-1] is LookupResult.MISS
+        guard = consumer.manager.triton_guard
+        assert guard.promotions_refused == 1
+        assert bytes(key(0)) in guard.quarantined
+        assert "another configuration's chunk" in caplog.text
+        assert consumer.lookup_until_settled(key(0)) == [LookupResult.MISS]
 
 
 def test_the_same_checkpoint_served_twice_shares_its_chunks(
     checkpoints: dict[int, Path], tmp_path: Path
 ) -> None:
-    name = serve(checkpoints[0], tmp_path / "served" / "llama")
-    producer = Tiered(tmp_path / "fs", model=name)
-    try:
-        producer.store([key(0)], [3, 8])
-        # Saved again, the same weights: a new copy of the files, the same identity.
-        serve(checkpoints[0], tmp_path / "served" / "llama")
-        consumer = Tiered(tmp_path / "fs", model=name)
-        try:
-            assert consumer.spec.seal_config_digest() == producer.spec.seal_config_digest()
-            assert consumer.file(key(0)) == producer.file(key(0))
-            assert consumer.lookup_until_settled(key(0))[-1] is LookupResult.HIT
-            result = load(consumer, 5)
-            assert result.success, result
-            for theirs, ours in zip(producer.planes, consumer.planes, strict=True):
-                assert torch.equal(ours[12], theirs[3]) and torch.equal(ours[13], theirs[8])
-        finally:
-            consumer.close()
-    finally:
-        producer.close()
+    # Saved again, the same weights: a new copy of the files, the same identity.
+    with (
+        stored_then_re_saved(checkpoints, tmp_path, then=0) as (producer, name),
+        contextlib.closing(Tiered(tmp_path / "fs", model=name)) as consumer,
+    ):
+        assert consumer.spec.seal_config_digest() == producer.spec.seal_config_digest()
+        assert consumer.file(key(0)) == producer.file(key(0))
+        assert consumer.lookup_until_settled(key(0))[-1] is LookupResult.HIT
+        result = load(consumer, 5)
+        assert result.success, result
+        for theirs, ours in zip(producer.planes, consumer.planes, strict=True):
+            assert torch.equal(ours[12], theirs[3]) and torch.equal(ours[13], theirs[8])
 
 
 def test_checkpoint_id_overrides_the_files(checkpoints: dict[int, Path], tmp_path: Path) -> None:
     """The operator's ``checkpoint_id`` is the identity: two weight files under one id
     share (the operator says they are one checkpoint); one file under two ids do not."""
-    name = serve(checkpoints[0], tmp_path / "served" / "llama")
-    producer = Tiered(tmp_path / "fs", model=name, checkpoint_id="tiny-llama-r1")
-    try:
-        producer.store([key(0)], [3, 8])
-        serve(checkpoints[1], tmp_path / "served" / "llama")
+    stored = stored_then_re_saved(checkpoints, tmp_path, then=1, checkpoint_id="tiny-llama-r1")
+    with stored as (producer, name):
         same_id = Tiered(tmp_path / "fs", model=name, checkpoint_id="tiny-llama-r1")
-        try:
+        with contextlib.closing(same_id):
             assert same_id.file(key(0)) == producer.file(key(0))
             assert same_id.lookup_until_settled(key(0))[-1] is LookupResult.HIT
-        finally:
-            same_id.close()
         other_id = Tiered(tmp_path / "fs", model=name, checkpoint_id="tiny-llama-r2")
-        try:
+        with contextlib.closing(other_id):
             assert other_id.file(key(0)) != producer.file(key(0))
             assert other_id.lookup_until_settled(key(0))[-1] is LookupResult.MISS
-        finally:
-            other_id.close()
-    finally:
-        producer.close()
 
 
 @pytest.mark.parametrize("bad", ["", "   ", " padded", "padded\n", 7, True, None, ["r1"]])
@@ -210,10 +200,10 @@ def test_a_local_checkpoint_is_known_by_its_files(
 ) -> None:
     first = checkpoint_identity(str(checkpoints[0]))
     assert first.source == "weight files" and first.value and first.value.startswith("files:")
-    # The same files elsewhere (a copy on another node): the same identity.
-    assert checkpoint_identity(serve(checkpoints[0], tmp_path / "copy")) == dataclasses.replace(
-        first, detail=checkpoint_identity(str(tmp_path / "copy")).detail
-    )
+    # The same files elsewhere (a copy on another node): the same identity (the detail
+    # names the folder and the time the read took, so it is left out).
+    copy = checkpoint_identity(serve(checkpoints[0], tmp_path / "copy"))
+    assert copy == dataclasses.replace(first, detail=copy.detail)
     assert checkpoint_identity(str(checkpoints[1])).value != first.value
     # A revision vLLM was given means nothing for a local path (vLLM loads the folder).
     handed = ModelRevision(str(checkpoints[0]), "main", COMMIT_A)

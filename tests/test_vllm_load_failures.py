@@ -25,14 +25,6 @@ except ImportError as error:  # pragma: no cover - exercised where vllm is absen
 from triton_offload.transfer import cpu_copy
 
 
-@pytest.fixture
-def engines() -> Any:
-    made: list[Engine] = []
-    yield made
-    for engine in made:
-        engine.close()
-
-
 def _engine(engines: list[Engine], tmp_path: Any, policy: str, groups: int = 1) -> Engine:
     engine = Engine(tmp_path, policy, groups)
     engines.append(engine)

@@ -31,17 +31,12 @@ try:
     from vllm.v1.kv_offload.base import GPULoadStoreSpec, ReqContext, make_offload_key
 
     import triton_offload.vllm as tv
-
-    VLLM_ERROR: str | None = None
 except ImportError as error:  # pragma: no cover - exercised where vllm is absent
-    VLLM_ERROR = f"vllm cannot be imported: {error}"
-    pytest.skip(VLLM_ERROR, allow_module_level=True)
+    pytest.skip(f"vllm cannot be imported: {error}", allow_module_level=True)
 
 from test_vllm_connector import Serving, attention, window
 from test_vllm_region import PAGE, Caches, make_config
 from test_vllm_tiering import _settle
-
-pytestmark = pytest.mark.skipif(VLLM_ERROR is not None, reason=VLLM_ERROR or "")
 
 KEEPING = "buffers are still exported"
 

@@ -21,42 +21,32 @@ from typing import Any
 
 import pytest
 
-try:
-    from test_faults import (
-        BAD,
-        CHUNKS,
-        SECOND,
-        TOKENS,
-        Row,
-        first_computed_block,
-        fs_file,
-        fs_tier,
-        host_row,
-        keys_of,
-        load_cuda12_nixl,
-        make_engine,
-        reseal_as_another_layout,
-        serve,
-        tiered_engine,
-    )
-    from vllm_engine import BLOCK, PROMPT, Engine, prompt
-except ImportError as error:  # pragma: no cover - exercised where vllm is absent
-    pytest.skip(f"vllm cannot be imported: {error}", allow_module_level=True)
-
+# Imported before anything that needs vLLM: where vLLM cannot be imported, test_faults
+# skips (its module-level skip, with the import error as the reason) and this module with it.
+from test_faults import (
+    BAD,
+    CHUNKS,
+    SECOND,
+    TOKENS,
+    Row,
+    first_computed_block,
+    fs_file,
+    fs_tier,
+    host_row,
+    keys_of,
+    load_cuda12_nixl,
+    make_engine,
+    reseal_as_another_layout,
+    serve,
+    tiered_engine,
+)
 from tier_peers import S3Server, require
+from vllm_engine import BLOCK, PROMPT, Engine, prompt
 
 from triton_offload.vllm.tier_repair import RemovalOutcome, remove_refused_file
 
 #: Rounds of "push the chunks out of host memory, serve the prompt again".
 ROUNDS = 4
-
-
-@pytest.fixture
-def engines() -> Any:
-    made: list[Engine] = []
-    yield made
-    for engine in made:
-        engine.close()
 
 
 def evict_host_chunks(engine: Engine, row: Row, round_index: int) -> None:
@@ -79,6 +69,16 @@ def run_rounds(engine: Engine, row: Row) -> list[int]:
     return refused
 
 
+def stored_on_fs(engines: list[Engine], tmp_path: Path, row: Row) -> tuple[Engine, list[Any], Path]:
+    """An engine over vLLM's fs tier once request A stored TOKENS and the tier wrote the
+    chunks: the engine, the chunks' keys and the fs file of chunk BAD."""
+    engine = tiered_engine(engines, tmp_path, fs_tier(tmp_path / "fs"))
+    serve(engine, row, "A", TOKENS)
+    engine.settle()
+    keys = keys_of(engine, TOKENS)
+    return engine, keys, fs_file(engine, keys[BAD])
+
+
 FS_FAULTS = ["same-size garbage", "another key's file", "flipped byte", "truncated"]
 
 
@@ -90,11 +90,7 @@ def test_a_refused_fs_file_is_repaired_by_the_next_store(
     worker's load: a flipped payload byte), then the next store writes a good file and
     every later promotion of the chunk is accepted and loads byte-exactly."""
     row = Row(f"fs repair: {how}")
-    engine = tiered_engine(engines, tmp_path, fs_tier(tmp_path / "fs"))
-    serve(engine, row, "A", TOKENS)
-    engine.settle()
-    keys = keys_of(engine, TOKENS)
-    path = fs_file(engine, keys[BAD])
+    engine, keys, path = stored_on_fs(engines, tmp_path, row)
     good = path.read_bytes()
     if how == "same-size garbage":
         path.write_bytes(os.urandom(len(good)))
@@ -133,11 +129,7 @@ def test_a_good_fs_file_is_never_removed(engines: list[Engine], tmp_path: Path, 
     the folder (good for its writer; only the worker's layout digest refuses it). The file
     stays, the same inode with the same bytes."""
     row = Row(f"fs keep: {how}")
-    engine = tiered_engine(engines, tmp_path, fs_tier(tmp_path / "fs"))
-    serve(engine, row, "A", TOKENS)
-    engine.settle()
-    keys = keys_of(engine, TOKENS)
-    path = fs_file(engine, keys[BAD])
+    engine, keys, path = stored_on_fs(engines, tmp_path, row)
     if how == "host byte flipped":
         engine.transfer_worker.engine.pool[host_row(engine, keys[BAD]), 5] ^= 0x40
     else:

@@ -1,0 +1,25 @@
+"""Fixtures shared by the test modules in this folder (the interpreter recipe and the
+``device`` fixture are the root ``conftest.py``'s).
+
+Nothing here imports vLLM: every module in this folder is collected, and skips with a
+reason, where vLLM cannot be imported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+
+@pytest.fixture
+def engines() -> Iterator[list[Any]]:
+    """The ``tests/vllm_engine.py`` engines a test made, each closed after the test.
+
+    A module whose engines are of another kind (``tests/test_vllm_engine_real.py``)
+    defines its own ``engines``, which overrides this one there."""
+    made: list[Any] = []
+    yield made
+    for engine in made:
+        engine.close()
