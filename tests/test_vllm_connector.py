@@ -320,6 +320,20 @@ def test_connector_selects_its_spec_and_logs(caplog: pytest.LogCaptureFixture) -
     assert worker.connector.connector_worker is not None
 
 
+def test_an_attention_only_model_logs_no_mamba_alignment(caplog: pytest.LogCaptureFixture) -> None:
+    """The start-up line names the Mamba alignment only where a Mamba group sets one (an
+    operator reading ``mamba_align_tokens=None`` on a Llama would look for a Mamba group)."""
+    with caplog.at_level(logging.INFO, logger="vllm.triton_offload"):
+        Engine([attention(16)])
+    (line,) = [r.getMessage() for r in caplog.records if "lookups planned" in r.getMessage()]
+    assert "lookups planned (vllm group 0: full_attention)" in line
+    assert "None" not in line
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="vllm.triton_offload"):
+        Engine([attention(4), mamba(16)])
+    assert "mamba, mamba_align_tokens=16)" in caplog.text
+
+
 def test_named_spec_is_kept() -> None:
     engine = Engine([attention(16)], extra={"spec_name": "CPUOffloadingSpec"})
     spec_name = engine.vllm_config.kv_transfer_config.kv_connector_extra_config["spec_name"]

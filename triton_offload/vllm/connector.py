@@ -773,11 +773,14 @@ class TritonOffloadingConnector(OffloadingConnector):  # type: ignore[misc]
             )
             logger.info(
                 "%s (triton_offload): spans %s tokens per block match vLLM's "
-                "OffloadingConfig; lookups planned (%s, mamba_align_tokens=%s)%s",
+                "OffloadingConfig; lookups planned (%s%s)%s",
                 CONNECTOR_NAME,
                 [g.tokens_per_block for g in plan.groups],
                 ", ".join(f"{g.spec.label}: {g.kind.value}" for g in plan.groups),
-                plan.mamba_align_tokens,
+                # Only where a Mamba group sets one: "None" on a Llama reads as a lost group.
+                ""
+                if plan.mamba_align_tokens is None
+                else f", mamba_align_tokens={plan.mamba_align_tokens}",
                 "; vLLM's stock lookup could end off the Mamba grid here: " + "; ".join(hazards)
                 if hazards
                 else "",
