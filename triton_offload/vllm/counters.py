@@ -165,12 +165,54 @@ def _count_value(value: Any, name: str) -> int | float:
     return number
 
 
+def _checked_count(name: str, value: Any, labels: dict[str, str]) -> tuple[tuple[str, ...], Any]:
+    """(label values in the counter's order, the count) of one addition; ValueError or
+    TypeError naming the bad name, label or value."""
+    spec = COUNTERS.get(name)
+    if spec is None:
+        raise ValueError(f"{name!r} is not a counter of this backend; known: {list(COUNTERS)}")
+    if set(labels) != set(spec.labelnames):
+        raise ValueError(
+            f"{name}: labels {sorted(labels)} given, its labels are {list(spec.labelnames)}"
+        )
+    for label, label_value in labels.items():
+        allowed = _LABEL_VALUES.get(label)
+        if not isinstance(label_value, str) or not label_value:
+            raise ValueError(f"{name}: label {label}={label_value!r} must be a non-empty str")
+        if allowed is not None and not allowed(label_value):
+            raise ValueError(f"{name}: label {label}={label_value!r} is not a known value")
+    number = _count_value(value, name)
+    return tuple(labels[label] for label in spec.labelnames), number
+
+
+class CountBatch:
+    """The counts of one event (a finished job judged by a worker), gathered before they
+    count: :meth:`Counters.add_batch` adds them all at once, and only the first time.
+
+    Why: a worker judges a finished job (seal, verify) in steps that an interrupt may cut,
+    and judges it again after; counts added as each step went were counted twice. Gathered
+    here, an interrupted judgement leaves nothing counted, and a batch given again (an
+    interrupt after it was added, before the job left the worker's books) adds nothing.
+    ``add`` checks like :meth:`Counters.add`.
+    """
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[str, tuple[str, ...], int | float]] = []
+        #: Set by the one Counters.add_batch that counted it, in the step that counts it.
+        self.added = False
+
+    def add(self, name: str, value: Any = 1, **labels: str) -> None:
+        key, number = _checked_count(name, value, labels)
+        self.entries.append((name, key, number))
+
+
 class Counters:
     """Counts of one process since they were last drained, per counter and label tuple.
 
     ``add(name, value=1, **labels)`` checks the name, the label names (those of its
     :data:`COUNTERS` entry, all given) and their values before counting (ValueError
-    naming the bad one); ``drain()`` hands the counts over and starts again. Thread-safe:
+    naming the bad one); ``add_batch(batch)`` adds a :class:`CountBatch` once, however
+    often it is given; ``drain()`` hands the counts over and starts again. Thread-safe:
     the scheduler's tier hooks may count from a tiering manager's thread.
     """
 
@@ -179,24 +221,24 @@ class Counters:
         self._counts: dict[str, dict[tuple[str, ...], int | float]] = {}
 
     def add(self, name: str, value: Any = 1, **labels: str) -> None:
-        spec = COUNTERS.get(name)
-        if spec is None:
-            raise ValueError(f"{name!r} is not a counter of this backend; known: {list(COUNTERS)}")
-        if set(labels) != set(spec.labelnames):
-            raise ValueError(
-                f"{name}: labels {sorted(labels)} given, its labels are {list(spec.labelnames)}"
-            )
-        for label, label_value in labels.items():
-            allowed = _LABEL_VALUES.get(label)
-            if not isinstance(label_value, str) or not label_value:
-                raise ValueError(f"{name}: label {label}={label_value!r} must be a non-empty str")
-            if allowed is not None and not allowed(label_value):
-                raise ValueError(f"{name}: label {label}={label_value!r} is not a known value")
-        number = _count_value(value, name)
-        key = tuple(labels[label] for label in spec.labelnames)
+        key, number = _checked_count(name, value, labels)
         with self._lock:
             series = self._counts.setdefault(name, {})
             series[key] = series.get(key, 0) + number
+
+    def add_batch(self, batch: CountBatch) -> None:
+        """Add every count of ``batch`` unless it was added before: all or nothing,
+        whatever line an interrupt lands on (the sums are built aside and take the place of
+        the counts in the same step that marks the batch added)."""
+        with self._lock:
+            if batch.added:
+                return
+            counts = dict(self._counts)  # built aside: until the last line nothing counted
+            for name in {name for name, _, _ in batch.entries}:
+                counts[name] = dict(counts.get(name, {}))
+            for name, key, number in batch.entries:
+                counts[name][key] = counts[name].get(key, 0) + number
+            self._counts, batch.added = counts, True
 
     def drain(self) -> dict[str, dict[tuple[str, ...], int | float]]:
         with self._lock:
@@ -288,6 +330,7 @@ __all__ = [
     "REASONS",
     "STORES_FAILED",
     "VERIFY_SECONDS",
+    "CountBatch",
     "CounterSpec",
     "Counters",
     "TritonPromMetrics",

@@ -27,6 +27,7 @@ from triton_offload.vllm.counters import (
     HOST_TIER,
     JOBS,
     VERIFY_SECONDS,
+    CountBatch,
     Counters,
     refusal_reason,
 )
@@ -56,6 +57,16 @@ class TritonTransferResult(TransferResult):  # type: ignore[misc]
     failed_blocks: tuple[tuple[int, ...], ...] = ()
     bad_keys: tuple[bytes, ...] = ()
     problem: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """A finished job's vLLM report, queued for ``get_finished``, with the counts judging
+    the job gathered (added to the worker's counters once, before the job leaves the
+    books; a replicated store's rank copied nothing and counts nothing)."""
+
+    result: Any
+    counts: CountBatch = dataclasses.field(default_factory=CountBatch)
 
 
 def chunk_gpu_blocks(job: JobSpec, group: int, index: int, blocks_per_chunk: int) -> np.ndarray:
@@ -109,7 +120,8 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
     ``get_finished`` returns each job once as vLLM's ``TransferResult``; ``wait``
     blocks on jobs still in flight (ids already reported are ignored, as vLLM's
     CPU worker does); ``shutdown`` waits for running jobs, then releases the
-    region as vLLM's CPU worker does (unlock, unmap, unlink if still linked).
+    region as vLLM's CPU worker does (unlock, unmap, unlink if still linked); the
+    reports of jobs not yet handed over stay for a ``get_finished`` after it.
     ``submit_load(..., expedited=True)`` (vLLM's loads for requests that run in the
     same step, which vLLM's connector waits for at once) goes to the engine's
     expedited lane: on CUDA its own queue on a stream of the highest priority, so it
@@ -159,8 +171,9 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
         self._empty_jobs: list[Any] = []  # jobs that move nothing on this worker
         # Reports not yet returned by get_finished, by job id: judged engine results
         # (sealed stores, verified loads) and replicated stores. A job leaves the books
-        # above only after its report is here, and get_finished empties it in one line.
-        self._ready: dict[Any, Any] = {}
+        # above only after its report is here and its counts were added, and
+        # get_finished empties it in one line.
+        self._ready: dict[Any, Report] = {}
         # Engine results taken from the engine and not yet judged (an interrupt while
         # judging them leaves them here for the next drain).
         self._pending: list[Any] = []
@@ -396,10 +409,13 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
             self._engine_jobs.discard(job_id)
             self._loads.pop(job_id, None)
 
-    def _verify_load(self, chunks: JobChunks, checksums: Any) -> list[tuple[int, int, Any, str]]:
+    def _verify_load(
+        self, chunks: JobChunks, checksums: Any, counts: CountBatch
+    ) -> list[tuple[int, int, Any, str]]:
         """The chunks of a finished load whose page on this worker fails its seal:
         headers checked here (batched, 64 bytes a page), payloads by the checksums the
-        copy computed: (group, index in group, key, problem)."""
+        copy computed: (group, index in group, key, problem); each refusal goes to
+        ``counts``."""
         sealer = self.sealer
         assert sealer is not None
         problems, records = sealer.header_problems(chunks.chunks, chunks.groups, chunks.digests)
@@ -411,7 +427,7 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
             key = None if chunks.keys is None else chunks.keys[position]
             group, problem = int(chunks.groups[position]), problems[position]
             bad.append((group, int(chunks.indices[position]), key, str(problem)))
-            self.counters.add(CHUNKS_REFUSED, reason=refusal_reason(str(problem)), tier=HOST_TIER)
+            counts.add(CHUNKS_REFUSED, reason=refusal_reason(str(problem)), tier=HOST_TIER)
             logger.warning(
                 "triton_offload: host chunk %d (key %s, group %d) failed verification: %s",
                 int(chunks.chunks[position]),
@@ -421,16 +437,16 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
             )
         return bad
 
-    def _load_result(self, result: Any) -> Any:
+    def _load_result(self, result: Any, counts: CountBatch) -> Any:
         """The vLLM result of a finished load: failed unless every chunk verified and
         the copy succeeded; what failed is named per group. Changes no books (the
-        verdict may be computed again after an interrupt)."""
+        verdict may be computed again after an interrupt); counts go to ``counts``."""
         job, chunks = self._loads[result.job_id]
         bad: list[tuple[int, int, Any, str]] = []
         if result.success and chunks is not None:
             started = time.perf_counter()
-            bad = self._verify_load(chunks, result.checksums)
-            self.counters.add(VERIFY_SECONDS, time.perf_counter() - started, direction="load")
+            bad = self._verify_load(chunks, result.checksums, counts)
+            counts.add(VERIFY_SECONDS, time.perf_counter() - started, direction="load")
         if result.success and not bad:
             return TritonTransferResult(
                 result.job_id, True, result.transfer_size, result.transfer_time
@@ -456,10 +472,10 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
             problem=problem,
         )
 
-    def _seal_store(self, result: Any) -> bool:
+    def _seal_store(self, result: Any, counts: CountBatch) -> bool:
         """Seal a finished store's chunks from the checksums its copy computed (only a
         successful copy is sealed); headers only, one batch. Changes no books: sealing
-        again after an interrupt writes the same headers."""
+        again after an interrupt writes the same headers (counts go to ``counts``)."""
         chunks = self._to_seal.get(result.job_id)
         if chunks is None or not result.success:
             return bool(result.success)
@@ -479,7 +495,7 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
                 chunks.checksums_of(checksums),
                 checksums.algorithm,
             )
-            self.counters.add(VERIFY_SECONDS, time.perf_counter() - started, direction="store")
+            counts.add(VERIFY_SECONDS, time.perf_counter() - started, direction="store")
         except Exception:  # an unsealed store is a failed store, never a crash
             logger.exception("triton_offload: sealing store job %r failed", result.job_id)
             return False
@@ -493,47 +509,54 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
 
         Restartable at any line: the engine's results enter the worker's books in one
         line (``_pending``), each is judged without changing the books, its report is
-        queued by one assignment and only then does the job leave the books. Before, the
-        results were held by the loop alone and ``_load_result`` / ``_seal_store`` took
-        the job off the books first, so an interrupt while sealing a store or verifying
-        a load lost every job the engine had handed over in that call.
+        queued by one assignment, its counts are added (once), and only then does the
+        job leave the books. Before, the results were held by the loop alone and
+        ``_load_result`` / ``_seal_store`` took the job off the books first, so an
+        interrupt while sealing a store or verifying a load lost every job the engine had
+        handed over in that call; and the counters were added while judging, so an
+        interrupt after a job's counts and before its report counted it again.
         """
         if self.engine is None:
             return
         self._pending += self.engine.get_finished()
         for result in self._pending:
-            if result.job_id not in self._ready:
-                self._ready[result.job_id] = self._judged(result)
+            report = self._ready.get(result.job_id)
+            if report is None:
+                report = self._ready[result.job_id] = self._judged(result)
+            # Again after an interrupt: a batch that was added adds nothing.
+            self.counters.add_batch(report.counts)
             self._forget(result.job_id)  # again after an interrupt: idempotent
         self._pending = []
 
-    def _judged(self, result: Any) -> Any:
-        """The vLLM report of a finished engine job; changes no books."""
-        self._count_copy(result)
+    def _judged(self, result: Any) -> Report:
+        """The vLLM report of a finished engine job and its counts (not yet added);
+        changes no books and no counter."""
+        counts = CountBatch()
+        self._count_copy(result, counts)
         if result.job_id in self._loads:
-            return self._load_result(result)
-        success = self._seal_store(result)
+            return Report(self._load_result(result, counts), counts)
+        success = self._seal_store(result, counts)
         chunks = self._published.get(result.job_id)
         if chunks is not None:
             # The copy is complete, sealed and visible to the host: tell the other
             # ranks (a failed store is published as failed; again after an interrupt).
             self.ledger.publish(chunks, int(result.job_id), success)
-        return TransferResult(
+        report = TransferResult(
             job_id=result.job_id,
             success=success,
             transfer_size=result.transfer_size,
             transfer_time=result.transfer_time,
         )
+        return Report(report, counts)
 
-    def _count_copy(self, result: Any) -> None:
+    def _count_copy(self, result: Any, counts: CountBatch) -> None:
         """A completed copy's job and bytes, per copy path and direction (counted whatever
-        the verdict on its bytes: they moved). Telemetry, not books: an interrupt while a
-        result is judged may count it twice."""
+        the verdict on its bytes: they moved)."""
         path = getattr(result, "path", "")
         if result.success and path:
             direction = "load" if result.job_id in self._loads else "store"
-            self.counters.add(JOBS, path=path, direction=direction)
-            self.counters.add(BYTES, result.transfer_size, path=path, direction=direction)
+            counts.add(JOBS, path=path, direction=direction)
+            counts.add(BYTES, result.transfer_size, path=path, direction=direction)
 
     def _forget(self, job_id: Any) -> None:
         """Take a reported engine job off the books (its report is queued)."""
@@ -560,7 +583,7 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
                 # This rank moved no byte: size and time 0 keep vLLM's store
                 # throughput metrics to the writer's real copies. Queued (by id: again
                 # after an interrupt, the same entry) before the job leaves the books.
-                self._ready[job_id] = TransferResult(job_id, status, 0, 0.0)
+                self._ready[job_id] = Report(TransferResult(job_id, status, 0, 0.0))
                 del self._replica_jobs[job_id]
 
     def get_finished(self) -> list[Any]:
@@ -574,7 +597,7 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
         empty, ready = self._empty_jobs, self._ready
         try:
             self._empty_jobs, self._ready = [], {}
-            return [*empty, *ready.values()]
+            return [*empty, *(report.result for report in ready.values())]
         except BaseException:
             self._empty_jobs, self._ready = empty, ready
             raise
@@ -605,6 +628,32 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
                 deadline=max(deadline for _, deadline in jobs),
             )
 
+    def _settle_engine_jobs(self, engine: Any) -> None:
+        """At shutdown: wait for the jobs the engine holds, then judge every finished
+        one, those an interrupted drain took from the engine included. Stores are sealed
+        and published, so ranks waiting for them learn of them before the ledger goes
+        away; the reports stay for ``get_finished``.
+
+        Only the engine's own jobs are waited for: ids an interrupted drain already took
+        are no longer the engine's (``wait`` refuses them). Waiting for every id in
+        ``_published`` raised ValueError after such an interrupt, and the engine was then
+        never shut down: its pool kept the region mapped (vLLM's "Keeping ... mapped")
+        and the stores left unjudged were never published (the other ranks waited for
+        them until their timeout)."""
+        engine.wait([job_id for job_id in self._engine_jobs if engine.in_flight(job_id)])
+        self._drain_engine()
+
+    def _settle_replicas(self) -> None:
+        """At shutdown (non-writer): each store still waiting for rank 0 is reported with
+        what the ledger says now, failed where rank 0 has not published it (this rank
+        can no longer learn of it). Before, they stayed in the books, never reported, and
+        a ``get_finished`` after shutdown read the closed ledger (AttributeError)."""
+        for job_id, (chunks, _) in list(self._replica_jobs.items()):
+            if job_id not in self._ready:  # queued before an interrupt: that report stands
+                status = bool(self.ledger.status(chunks, int(job_id)))
+                self._ready[job_id] = Report(TransferResult(job_id, status, 0, 0.0))
+            del self._replica_jobs[job_id]
+
     def shutdown(self) -> None:
         if self._closed:
             return
@@ -612,12 +661,12 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
         engine = self.engine
         try:
             if engine is not None:
-                if self._published:
-                    # Ranks waiting for these stores learn of them before the
-                    # ledger goes away.
-                    engine.wait(list(self._published))
-                    self._drain_engine()
-                engine.shutdown()
+                try:
+                    self._settle_engine_jobs(engine)
+                finally:
+                    engine.shutdown()  # whatever happened above: it holds views of the region
+            if self._replica_jobs:
+                self._settle_replicas()
         finally:
             # The engine's pool is a view of the region: drop it before unmapping.
             self.engine = None
