@@ -131,6 +131,23 @@ def _bench_process(argv: list[str]) -> list[str]:
     return [sys.executable, "-m", "triton_offload", *argv]
 
 
+def _wall_time_line(command: list[str]) -> tuple[str, float]:
+    """Run ``command`` (a bench that must exit 0): its ``wall time`` line, and the seconds
+    from just before the command's start to the moment that line arrived."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    began = time.perf_counter()
+    printed, seen = None, 0.0
+    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env) as process:
+        assert process.stdout is not None
+        for line in process.stdout:
+            if line.startswith("wall time "):
+                seen = time.perf_counter() - began
+                printed = line
+        assert process.wait(timeout=300) == 0
+    assert printed is not None, "no wall time line"
+    return printed, seen
+
+
 def test_printed_wall_time_is_the_whole_commands(tmp_path: Path) -> None:
     """The wall time printed (and in results.json) runs from the process's start: the
     imports, the calibration, the set-up and the report writing count, not only the
@@ -141,19 +158,7 @@ def test_printed_wall_time_is_the_whole_commands(tmp_path: Path) -> None:
     creation and the pipe only."""
     out = tmp_path / "bench"
     argv = [*QUICK, "--paths", "torch", "--directions", "store", "--out", str(out)]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    began = time.perf_counter()
-    with subprocess.Popen(
-        _bench_process(argv), stdout=subprocess.PIPE, text=True, env=env
-    ) as process:
-        assert process.stdout is not None
-        printed = None
-        for line in process.stdout:
-            if line.startswith("wall time "):
-                seen = time.perf_counter() - began
-                printed = line
-        assert process.wait(timeout=300) == 0
-    assert printed is not None, "no wall time line"
+    printed, seen = _wall_time_line(_bench_process(argv))
     match = re.match(r"wall time (\d+\.\d) s \(from the process's start; measuring ", printed)
     assert match, printed
     assert seen - 1.5 <= float(match.group(1)) <= seen + 0.1, (printed, seen)
@@ -174,19 +179,7 @@ def test_wall_time_leaves_out_what_the_process_ran_before_the_command(tmp_path: 
     # `exec` spelled out: bash 5.1 and later exec the last command of `-c` by
     # themselves, older ones fork; this test is about the exec.
     script = f"sleep {sleep_s} && exec " + " ".join(shlex.quote(w) for w in _bench_process(argv))
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    began = time.perf_counter()
-    with subprocess.Popen(
-        ["bash", "-c", script], stdout=subprocess.PIPE, text=True, env=env
-    ) as process:
-        assert process.stdout is not None
-        printed = None
-        for line in process.stdout:
-            if line.startswith("wall time "):
-                seen = time.perf_counter() - began
-                printed = line
-        assert process.wait(timeout=300) == 0
-    assert printed is not None, "no wall time line"
+    printed, seen = _wall_time_line(["bash", "-c", script])
     match = re.match(r"wall time (\d+\.\d) s \(from (.*); measuring ", printed)
     assert match, printed
     wall_s = float(match.group(1))

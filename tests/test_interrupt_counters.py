@@ -28,7 +28,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import glob
 import linecache
 import logging
 import os
@@ -43,6 +42,7 @@ import pytest
 
 try:
     from test_interrupt_fuzz import Interrupter, WorkerTarget
+    from test_vllm_shutdown import region_files, region_mappings
     from test_vllm_spec import Caches, _config
     from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
@@ -280,17 +280,6 @@ class VllmRecords(logging.Handler):
     def warnings(self) -> list[str]:
         """Warnings and errors (vLLM's "Keeping ... mapped" among them)."""
         return [r.getMessage() for r in self.records if r.levelno >= logging.WARNING]
-
-
-def region_mappings(engine_id: str) -> list[str]:
-    """Lines of ``/proc/self/maps`` that map the engine's region or its store ledger."""
-    name = f"vllm_offload_{engine_id}"
-    with open("/proc/self/maps") as maps:
-        return [line.strip() for line in maps if name in line]
-
-
-def region_files(engine_id: str) -> list[str]:
-    return glob.glob(glob.escape(f"/dev/shm/vllm_offload_{engine_id}") + "*")
 
 
 def replicated_worker(engine_id: str, rank: int) -> Any:

@@ -59,14 +59,15 @@ def vllm_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixt
 
 
 def region_mappings(engine_id: str) -> list[str]:
-    """Lines of ``/proc/self/maps`` that map one of the engine's region files."""
-    name = f"vllm_offload_{engine_id}.mmap"
+    """Lines of ``/proc/self/maps`` that map one of the engine's files: its region or
+    its store ledger."""
+    name = f"vllm_offload_{engine_id}"
     with open("/proc/self/maps") as maps:
         return [line.strip() for line in maps if name in line]
 
 
 def region_files(engine_id: str) -> list[str]:
-    return glob.glob(glob.escape(f"/dev/shm/vllm_offload_{engine_id}.mmap") + "*")
+    return glob.glob(glob.escape(f"/dev/shm/vllm_offload_{engine_id}") + "*")
 
 
 def fs_tier(root: Path) -> list[dict[str, Any]]:

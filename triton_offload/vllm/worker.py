@@ -580,11 +580,15 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
                 )
                 status = False
             if status is not None:
-                # This rank moved no byte: size and time 0 keep vLLM's store
-                # throughput metrics to the writer's real copies. Queued (by id: again
-                # after an interrupt, the same entry) before the job leaves the books.
-                self._ready[job_id] = Report(TransferResult(job_id, status, 0, 0.0))
-                del self._replica_jobs[job_id]
+                self._report_replica(job_id, bool(status))
+
+    def _report_replica(self, job_id: Any, success: bool) -> None:
+        """Queue a replicated store's report on a rank that copied nothing, then take it
+        off the books. Size and time 0 keep vLLM's store throughput metrics to the
+        writer's real copies; queued by id, so again after an interrupt it is the same
+        entry (a report queued before an interrupt stands)."""
+        self._ready.setdefault(job_id, Report(TransferResult(job_id, success, 0, 0.0)))
+        del self._replica_jobs[job_id]
 
     def get_finished(self) -> list[Any]:
         self._drain_engine()
@@ -649,10 +653,7 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
         can no longer learn of it). Before, they stayed in the books, never reported, and
         a ``get_finished`` after shutdown read the closed ledger (AttributeError)."""
         for job_id, (chunks, _) in list(self._replica_jobs.items()):
-            if job_id not in self._ready:  # queued before an interrupt: that report stands
-                status = bool(self.ledger.status(chunks, int(job_id)))
-                self._ready[job_id] = Report(TransferResult(job_id, status, 0, 0.0))
-            del self._replica_jobs[job_id]
+            self._report_replica(job_id, bool(self.ledger.status(chunks, int(job_id))))
 
     def shutdown(self) -> None:
         if self._closed:
