@@ -286,26 +286,33 @@ def _process_age_s() -> float | None:
 
 
 def _command_start() -> tuple[float, str]:
-    """The ``time.perf_counter()`` value at which this command started, and what that is.
+    """The ``time.perf_counter()`` value at which this command started, and what that is
+    (:func:`command_start` on this process's clock and age)."""
+    now = time.perf_counter()
+    program = Path(sys.argv[0] if sys.argv else "")
+    runs_this = program.name == "triton-offload" or program.parent.name == "triton_offload"
+    age = _process_age_s() if runs_this and "bench" in sys.argv[1:] else None
+    return command_start(now, age, CLI_IMPORTED_AT)
+
+
+def command_start(now: float, process_age_s: float | None, imported_at: float) -> tuple[float, str]:
+    """Where the command's wall time starts, on the clock of ``now``, and its label.
 
     The process's start when the process is this command (`triton-offload bench`,
     `python -m triton_offload bench`: the interpreter's start-up and imports count). An
     exec keeps the process's start: `bash -c "pip install ... && triton-offload bench"`
     runs the command in the shell's process, created before pip ran. So where the process
-    is older at the CLI's import than start-up takes (``STARTUP_ALLOWANCE_S``), the command
-    starts at that import; the interpreter's start-up before it cannot be seen after an
-    exec and is left out. In a caller's process, or without /proc: this call."""
-    now = time.perf_counter()
-    program = Path(sys.argv[0] if sys.argv else "")
-    runs_this = program.name == "triton-offload" or program.parent.name == "triton_offload"
-    age = _process_age_s() if runs_this and "bench" in sys.argv[1:] else None
-    if age is None:
+    was older at the CLI's import (``imported_at``) than start-up takes
+    (``STARTUP_ALLOWANCE_S``), the command starts at that import; the interpreter's
+    start-up before it cannot be seen after an exec and is left out. Age unknown (a
+    caller's process, or no /proc): ``now``."""
+    if process_age_s is None:
         return now, "the command's entry"
-    process_start = now - age
-    before_import = CLI_IMPORTED_AT - process_start
+    process_start = now - process_age_s
+    before_import = imported_at - process_start
     if before_import <= STARTUP_ALLOWANCE_S:
         return process_start, "the process's start"
-    return CLI_IMPORTED_AT, (
+    return imported_at, (
         f"the import of triton_offload.cli, {before_import:.1f} s into a process that ran "
         "another program first"
     )
