@@ -380,7 +380,7 @@ def test_a_peer_killed_mid_session_leaves_misses_not_hangs(
             assert_shared({NAMES[0]: stored[NAMES[0]]}, found, workers=spec == TRITON)
         doomed.kill()
         assert not doomed.alive()
-        for tier, consumer in consumers.items():
+        for consumer in consumers.values():
             found = consumer.lookup(NAMES[1:], timeout_s=60)
             assert_missed(found)
         for tier, consumer in consumers.items():
