@@ -552,19 +552,16 @@ def _ranks_on_one_node() -> Iterator[None]:
     vLLM 0.34's tiering spec (and this project's, as it does) asks vLLM's TP, PP and PCP
     process groups whether the workers span nodes before a worker maps the region; the
     harness has no such groups, and its ranks share one process, so one node. The
-    check is answered for the duration; 0.33 has none.
+    check is answered for the duration (a release without it is unaffected).
     """
-    import triton_offload.vllm.spec as spec_module
+    from triton_offload.vllm.releases import RELEASE
 
-    check = getattr(spec_module, "reject_workers_across_nodes", None)
-    if check is None:
-        yield
-        return
-    spec_module.reject_workers_across_nodes = lambda: None
+    check = RELEASE.check_workers_on_one_node
+    RELEASE.check_workers_on_one_node = lambda: None
     try:
         yield
     finally:
-        spec_module.reject_workers_across_nodes = check
+        RELEASE.check_workers_on_one_node = check
 
 
 class _Instance:

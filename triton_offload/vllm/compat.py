@@ -85,17 +85,17 @@ def installed_vllm_version() -> str:
 
 def vllm_release(version: str | None = None) -> tuple[int, int]:
     """``(major, minor)`` of ``version`` (default: the installed vLLM), checked to be in
-    ``SUPPORTED_VLLM``. The modules that differ between releases branch on this."""
+    ``SUPPORTED_VLLM``. Only :mod:`triton_offload.vllm.releases` (which adapter) and the
+    per-release tables (keys, the internals registry) read it."""
     found = check_vllm_version(version)
     match = re.match(r"\s*v?(\d+)\.(\d+)", found)
     assert match is not None  # check_vllm_version refused anything else
     return int(match.group(1)), int(match.group(2))
 
 
-#: The first release whose own offloading code routes failed jobs (``failed_jobs`` in the
-#: worker metadata, ``complete_store(success=False)``, ``load_failed``, ``failed_recving``)
-#: and hands workers ``DevicePointers`` instead of GPU block ids.
-VLLM_0_34 = (0, 34)
+def vllm_extra_config_keys() -> tuple[str, ...]:
+    """The top-level extra-config keys the installed release's offloading code reads."""
+    return VLLM_EXTRA_CONFIG_KEYS[vllm_release()]
 
 
 def check_vllm_version(version: str | None = None) -> str:
@@ -162,11 +162,11 @@ __all__ = [
     "SUPPORTED_VLLM_MAX",
     "SUPPORTED_VLLM_MIN",
     "TIERING_SPEC_NAME",
-    "VLLM_0_34",
     "BrokenVLLMError",
     "UnsupportedVLLMError",
     "check_vllm_version",
     "installed_vllm_version",
     "supported_vllm_api",
+    "vllm_extra_config_keys",
     "vllm_release",
 ]

@@ -38,10 +38,8 @@ from triton_offload.vllm.compat import (
     CONNECTOR_NAME,
     MODULE_PATH,
     SPEC_NAME,
-    VLLM_0_34,
     logger,
     supported_vllm_api,
-    vllm_release,
 )
 from triton_offload.vllm.counters import (
     LOADS_FAILED,
@@ -49,11 +47,7 @@ from triton_offload.vllm.counters import (
     TritonPromMetrics,
     stats_of,
 )
-from triton_offload.vllm.integrity import (
-    VLLM_REPORTS_FAILED_JOBS,
-    ChunkGuard,
-    TritonWorkerMetadata,
-)
+from triton_offload.vllm.integrity import ChunkGuard, TritonWorkerMetadata
 from triton_offload.vllm.internals import check_vllm_internals
 from triton_offload.vllm.layerwise import (
     LayerwiseLoads,
@@ -68,6 +62,7 @@ from triton_offload.vllm.planning import (
     plan_from_kv_cache_config,
     stock_lookup_hazards,
 )
+from triton_offload.vllm.releases import RELEASE
 
 with supported_vllm_api():
     from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
@@ -88,10 +83,6 @@ with supported_vllm_api():
     from vllm.v1.kv_offload.base import LookupResult, TransferResult
 
 check_vllm_internals()
-
-#: vLLM 0.34's ``_lookup_complete_chunks`` returns ``(hit, full_attention_hit_boundary)``
-#: and its connector worker resolves each job to ``DevicePointers`` before submitting it.
-_VLLM_0_34 = vllm_release() >= VLLM_0_34
 
 
 class _LookupMemo:
@@ -127,11 +118,10 @@ class _LookupMemo:
 
 class _CompletionHook:
     """The manager as vLLM's completion code sees it for one worker report: a good
-    store lifts a quarantine and failed jobs are counted. On vLLM 0.33, which has no
-    failed jobs, it also routes them: a failed store completes with ``success=False``
-    (its keys released, never published), a failed load keeps its keys out of the
-    request's next lookup (vLLM 0.34 does both itself: ``complete_store(success=False)``
-    and the request's ``load_failed``). Everything else goes to the manager."""
+    store lifts a quarantine, failed jobs are counted, a failed store completes with
+    ``success=False`` (its keys released, never published) and the release adds what it
+    does not do itself (``RELEASE.on_failed_store`` / ``on_failed_load``). Everything
+    else goes to the manager."""
 
     def __init__(self, manager: Any, scheduler: Any, failing: dict[int, Any]) -> None:
         self.manager = manager
@@ -144,14 +134,7 @@ class _CompletionHook:
             success = False
             self._scheduler.triton_failed_stores += 1
             self._scheduler.triton_guard.counters.add(STORES_FAILED)
-        if job is not None and not VLLM_REPORTS_FAILED_JOBS:
-            logger.warning(
-                "%s: store of %d chunks for request %s failed on a worker; nothing of it "
-                "is published, its keys are free for a later store",
-                CONNECTOR_NAME,
-                len(keys),
-                job.req_id,
-            )
+            RELEASE.on_failed_store(len(keys), job.req_id)
         self.manager.complete_store(keys, req_context, success=success)  # as vLLM calls it
         if success:
             self._scheduler.triton_guard.release(keys)
@@ -162,9 +145,7 @@ class _CompletionHook:
         if job is not None:
             self._scheduler.triton_failed_loads += 1
             self._scheduler.triton_guard.counters.add(LOADS_FAILED)
-        if job is not None and not VLLM_REPORTS_FAILED_JOBS:
-            excluded = self._scheduler._triton_excluded.setdefault(job.req_id, set())
-            excluded.update(keys)
+            RELEASE.on_failed_load(self._scheduler._triton_excluded, job.req_id, keys)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.manager, name)
@@ -279,8 +260,9 @@ class TritonOffloadingConnectorScheduler(OffloadingConnectorScheduler):  # type:
     def _lookup_complete_chunks(
         self, req_status: Any, max_num_new_tokens: int | None = None
     ) -> Any:
-        """The planner's hit: an int on vLLM 0.33; on 0.34 ``(hit, boundary)`` with vLLM's
-        full-attention boundary passed through (the keys behind it are the same)."""
+        """The planner's hit in the release's shape (``RELEASE.lookup_answer``), with vLLM's
+        full-attention boundary passed through where it has one (the keys behind it are
+        the same)."""
         if not hasattr(self, "triton_plan"):
             # Built without __init__ (vLLM 0.34's tests): no plan, vLLM's own lookup.
             return super()._lookup_complete_chunks(req_status, max_num_new_tokens)
@@ -297,15 +279,13 @@ class TritonOffloadingConnectorScheduler(OffloadingConnectorScheduler):  # type:
             hit, boundary = self._planned_lookup(req_status, max_num_new_tokens, memo)
         finally:
             self.manager = memo.manager
-        return (hit, boundary) if _VLLM_0_34 else hit
+        return RELEASE.lookup_answer(hit, boundary)
 
     def _planned_lookup(
         self, req_status: Any, max_num_new_tokens: int | None, memo: _LookupMemo
     ) -> tuple[int | None, int | None]:
-        stock = super()._lookup_complete_chunks(req_status, max_num_new_tokens)
-        boundary = None
-        if _VLLM_0_34:
-            stock, boundary = stock
+        answer = super()._lookup_complete_chunks(req_status, max_num_new_tokens)
+        stock, boundary = RELEASE.split_lookup(answer)
         hit = self._planned_hit(req_status, max_num_new_tokens, memo, stock)
         return hit, boundary
 
@@ -467,33 +447,22 @@ class _FailSoftWorker:
 class TritonOffloadingConnectorWorker(OffloadingConnectorWorker):  # type: ignore[misc]
     """vLLM's connector worker that reports failed transfers instead of asserting.
 
-    A failed load names its GPU blocks and the keys whose chunks failed verification go
-    to the scheduler (quarantined there). Who reports a failed load to vLLM's core
-    scheduler depends on the release:
-
-    - vLLM 0.33 asserts that every job succeeds. Here a failed load of one cache group
-      is reported by ``get_block_ids_with_load_errors`` (vLLM's
-      ``kv_load_failure_policy`` recomputes from the first of them, or fails the
-      request); with several groups the request goes in ``failed_recving`` (vLLM refuses
-      block ids that are unique per group only). A failed store is reported in
-      ``failed_jobs`` (backported), and the scheduler completes it unpublished.
-    - vLLM 0.34 routes failed jobs itself (``failed_jobs``, ``failed_recving``,
-      ``load_failed``) and this class leaves that to it, except for what it lacks: its
-      worker raises RuntimeError on a failed sync load (the engine stops) and its
-      ``failed_recving`` recomputes a request from token 0. So a single-group load that
-      failed is reported by its block ids, as on 0.33 (recomputed from the first failed
-      block), and is still a failed job in vLLM's books (``failed_jobs``: no bytes
-      counted, the request's ``load_failed``); a hybrid model's failed load is vLLM's
-      ``failed_recving`` (hybrid models get no sync loads, see the scheduler).
-      Jobs are submitted with GPU block ids: vLLM's per-job pointer resolution is
-      skipped (this project's worker builds its own tables from the ids).
+    A failed load names its GPU blocks, and the keys whose chunks failed verification go
+    to the scheduler (quarantined there). Who tells vLLM's core scheduler of a failed
+    load, and in what shape, is the release's (:mod:`triton_offload.vllm.releases`): a
+    single-group load by its GPU block ids (vLLM's ``kv_load_failure_policy`` recomputes
+    from the first of them, or fails the request), a hybrid model's per request (vLLM
+    refuses block ids that are unique per group only; hybrid models get no sync loads).
+    A failed store is a failed job in the metadata and completes unpublished. Jobs are
+    submitted with GPU block ids (this project's worker builds its own tables from them).
     """
 
     def _triton_setup(self, num_groups: int) -> None:
         self.triton_num_groups = num_groups
         self._connector_worker_meta = TritonWorkerMetadata()
         self._triton_load_errors: set[int] = set()
-        self._triton_failed_requests: set[str] = set()  # vLLM 0.33's failed_recving
+        #: Requests whose load failed, where the release reports them per request.
+        self._triton_failed_requests: set[str] = set()
         #: Layer-wise sync loads (None: off, see triton_offload.vllm.layerwise).
         self._triton_layerwise: LayerwiseLoads | None = None
         self._triton_layer_order: list[str] = []
@@ -604,11 +573,12 @@ class TritonOffloadingConnectorWorker(OffloadingConnectorWorker):  # type: ignor
         return errors
 
     def take_failed_requests(self) -> set[str]:
-        """vLLM 0.33: the requests whose async load failed (vLLM 0.34 keeps its own)."""
+        """The requests whose async load failed, where the release routes them per request
+        through the connector (``RELEASE.route_failed_load``)."""
         failed, self._triton_failed_requests = self._triton_failed_requests, set()
         return failed
 
-    # --------------------------------------------------------- submit (vLLM 0.34)
+    # --------------------------------------------------- submit and finish, per release
 
     def _submit_deferred_stores(self) -> None:
         for job_id, src_spec, dst_spec in self._unsubmitted_store_jobs:
@@ -616,40 +586,21 @@ class TritonOffloadingConnectorWorker(OffloadingConnectorWorker):  # type: ignor
         self._unsubmitted_store_jobs.clear()
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
-        if _VLLM_0_34:
-            # The stores deferred from the last step go with block ids; vLLM's method
-            # then flushes the preempted requests' stores (resolved to pointers: rare).
-            self._submit_deferred_stores()
-        super().handle_preemptions(kv_connector_metadata)
+        RELEASE.handle_preemptions(self, kv_connector_metadata, super().handle_preemptions)
 
     def start_kv_transfers(self, metadata: Any) -> None:
         if self._triton_start_layered(metadata):
             return None
-        if not _VLLM_0_34:
-            return super().start_kv_transfers(metadata)
-        # vLLM 0.34's method, with GPU block ids where it resolves pointers per job.
-        self._submit_deferred_stores()
-        sync_job_ids: set[int] = set()
-        for job_id, entry in metadata.load_jobs.items():
-            if entry.sync:
-                sync_job_ids.add(job_id)
-                self._load_jobs[job_id] = None
-                self.worker.submit_load(job_id, entry.src_spec, entry.dst_spec, expedited=True)
-            else:
-                self._load_jobs[job_id] = entry.req_id
-                self.worker.submit_load(job_id, entry.src_spec, entry.dst_spec)
-        if sync_job_ids:
-            self.worker.wait(sync_job_ids)
-
-    # ------------------------------------------------------------------ finish
+        RELEASE.start_kv_transfers(self, metadata, super().start_kv_transfers)
+        return None
 
     def _triton_failed_load(self, result: Any, blocks: Any) -> Any:
         """A failed job's result on its way to vLLM: a load's bad keys go to the
-        scheduler, its GPU blocks are reported by id where that is the route (see the
-        class); the result vLLM's books should see is returned."""
+        scheduler, the release routes it (``RELEASE.route_failed_load``: by block id or
+        per request) and returns the result vLLM's books should see."""
         job_id = result.job_id
         if job_id not in self._load_jobs:
-            return result  # a store: vLLM (0.34) or get_finished below (0.33) reports it
+            return result  # a store: the metadata's failed_jobs reports it
         req_id = self._load_jobs[job_id]
         failed = getattr(result, "failed_blocks", ()) or blocks
         self._connector_worker_meta.bad_keys.update(getattr(result, "bad_keys", ()))
@@ -662,49 +613,12 @@ class TritonOffloadingConnectorWorker(OffloadingConnectorWorker):  # type: ignor
             getattr(result, "problem", "") or "the copy failed",
             sum(len(group) for group in failed),
         )
-        if self.triton_num_groups == 1:
-            # Reported by block id: vLLM's policy recomputes from the first failed block
-            # (vLLM 0.34's own route, failed_recving, recomputes the whole request and a
-            # failed sync load raises in its worker).
-            self._triton_load_errors.update(int(b) for b in failed[0])
-            if _VLLM_0_34:
-                # vLLM's books get a finished job (no bytes counted); the scheduler hears
-                # of the failure from the metadata, as for any failed job.
-                self._connector_worker_meta.failed_jobs.add(job_id)
-                return TransferResult(job_id, True, None, None)
-        elif _VLLM_0_34:
-            pass  # vLLM's failed_recving (hybrid models have no sync loads)
-        elif req_id is not None:
-            self._triton_failed_requests.add(req_id)
-        else:
-            # Not reached: the scheduler gives hybrid models no sync loads.
-            logger.error(
-                "%s: a sync load of a model with %d groups failed; vLLM has no way to "
-                "hear of it per request",
-                CONNECTOR_NAME,
-                self.triton_num_groups,
-            )
-        return result
+        return RELEASE.route_failed_load(self, result, failed, req_id)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         self._triton_join_layered()
-        if _VLLM_0_34:
-            return super().get_finished(finished_req_ids)
-        # vLLM 0.33's loop without its assert on success.
         assert self.worker is not None
-        meta = self._connector_worker_meta
-        finished_recving: set[str] = set()
-        for result in self.worker.get_finished():
-            job_id = result.job_id
-            is_load = job_id in self._load_jobs
-            if result.success and result.transfer_size is not None:
-                stats = meta.transfer_stats.load if is_load else meta.transfer_stats.store
-                stats.record(result.transfer_size, result.transfer_time or 0.0)
-            meta.mark_completed(job_id, success=bool(result.success))
-            req_id = self._load_jobs.pop(job_id, None)
-            if req_id is not None:
-                finished_recving.add(req_id)
-        return set(), finished_recving
+        return RELEASE.get_finished(self, finished_req_ids, super().get_finished)
 
     def build_connector_worker_meta(self) -> Any:
         if not self._connector_worker_meta.completed_jobs:
@@ -858,9 +772,8 @@ class TritonOffloadingConnector(OffloadingConnector):  # type: ignore[misc]
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         results = super().get_transfer_results(finished_req_ids)
         worker = self.connector_worker
-        if isinstance(worker, TritonOffloadingConnectorWorker) and not _VLLM_0_34:
-            # vLLM 0.34's own get_transfer_results fills failed_recving itself.
-            results.failed_recving |= worker.take_failed_requests()
+        if isinstance(worker, TritonOffloadingConnectorWorker):
+            return RELEASE.transfer_results(worker, results)
         return results
 
 

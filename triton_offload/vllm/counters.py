@@ -37,6 +37,7 @@ import numpy as np
 from triton_offload.vllm.compat import supported_vllm_api
 
 with supported_vllm_api():
+    from prometheus_client import Counter
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
         OffloadingConnectorStats,
@@ -292,7 +293,8 @@ class TritonPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self.inner = inner
         self._counters = {
-            spec.name: self._counter_cls(
+            # The counter class vLLM hands every connector (its multiprocess-aware one).
+            spec.name: metric_types[Counter](
                 name=spec.name,
                 documentation=spec.documentation,
                 labelnames=list(labelnames) + list(spec.labelnames),

@@ -45,6 +45,7 @@ from triton_offload.vllm.counters import (
     Counters,
     refusal_reason,
 )
+from triton_offload.vllm.releases import RELEASE
 from triton_offload.vllm.tier_repair import (
     RemovalOutcome,
     fs_chunk_file,
@@ -131,32 +132,10 @@ def config_digest(spec: Any, storage_layout: str, checkpoint: str) -> bytes:
     return digest8(config_description(spec, storage_layout, checkpoint))
 
 
-#: vLLM's worker metadata carries ``failed_jobs`` itself (0.34 and later).
-VLLM_REPORTS_FAILED_JOBS = "failed_jobs" in {
-    field.name for field in dataclasses.fields(OffloadingWorkerMetadata)
-}
-
-
 @dataclasses.dataclass
-class _FailedJobsBackport(OffloadingWorkerMetadata):  # type: ignore[misc]
-    """vLLM 0.34's ``failed_jobs`` / ``mark_completed(job_id, success)`` on vLLM 0.33's
-    metadata, the same names and meaning, so the rest of this package reads one API."""
-
-    failed_jobs: set[int] = dataclasses.field(default_factory=set)
-
-    def mark_completed(self, job_id: int, success: bool = True) -> None:
-        super().mark_completed(job_id)
-        if not success:
-            self.failed_jobs.add(job_id)
-
-
-_MetadataBase: Any = OffloadingWorkerMetadata if VLLM_REPORTS_FAILED_JOBS else _FailedJobsBackport
-
-
-@dataclasses.dataclass
-class TritonWorkerMetadata(_MetadataBase):  # type: ignore[misc]
-    """vLLM's worker -> scheduler report (with vLLM 0.34's ``failed_jobs``, backported on
-    0.33) plus the keys whose chunks failed verification (merged over workers)."""
+class TritonWorkerMetadata(RELEASE.WorkerMetadataBase):  # type: ignore[misc]
+    """vLLM's worker -> scheduler report (with ``failed_jobs``, on every release through
+    its adapter) plus the keys whose chunks failed verification (merged over workers)."""
 
     bad_keys: set[bytes] = dataclasses.field(default_factory=set)
 
@@ -468,7 +447,6 @@ def region_rows(memory: memoryview | None, num_chunks: int, row_stride: int) -> 
 __all__ = [
     "SEAL_BYTES",
     "VERIFY_KEY",
-    "VLLM_REPORTS_FAILED_JOBS",
     "ChunkGuard",
     "KeyedCPULoadStoreSpec",
     "TritonWorkerMetadata",

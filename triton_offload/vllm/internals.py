@@ -44,6 +44,7 @@ _CPU_SPEC = "vllm.v1.kv_offload.cpu.spec"
 _REGION = "vllm.v1.kv_offload.cpu.shared_offload_region"
 _TIERING_MANAGER = "vllm.v1.kv_offload.tiering.manager"
 _TIERING_SPEC = "vllm.v1.kv_offload.tiering.spec"
+_TIER_BASE = "vllm.v1.kv_offload.tiering.base"
 
 
 @dataclass(frozen=True)
@@ -53,10 +54,11 @@ class Reliance:
     ``module`` and ``name`` (a dotted path inside the module: a function, a class
     attribute, or ``Class.attribute`` set in the class's ``__init__``), ``use`` (what
     this package does with it: ``overrides``, ``calls``, ``reads``, ``replaces``,
-    ``swaps the class of``), ``params`` (the leading parameter names an override or a
-    call depends on, ``self`` left out), ``returns`` (the return annotation as vLLM
-    writes it, where the override must return the same), ``releases`` (where it is
-    relied on) and ``why``.
+    ``replaces on instances``, ``swaps the class of``, or ``adds``: a marker attribute set
+    on vLLM's objects, checked to be unused by vLLM), ``params`` (the leading parameter
+    names an override or a call depends on, ``self`` left out), ``returns`` (the return
+    annotation as vLLM writes it, where the override must return the same), ``releases``
+    (where it is relied on) and ``why``.
     """
 
     module: str
@@ -257,6 +259,32 @@ RELIANCES: tuple[Reliance, ...] = (
         "a finished promotion's keys and host chunk ids, to check their seals",
         instance=True,
     ),
+    Reliance(
+        _TIER_BASE,
+        "SecondaryTierManager.lookup",
+        "replaces on instances",
+        "a tier answers MISS for a quarantined key (no tier factory hook to subclass it)",
+        params=("key", "req_context"),
+    ),
+    Reliance(
+        _TIER_BASE,
+        "SecondaryTierManager.get_finished_jobs",
+        "replaces on instances",
+        "every chunk a tier promotes is checked before it counts",
+        params=(),
+    ),
+    Reliance(
+        _TIER_BASE,
+        "SecondaryTierManager._triton_watched",
+        "adds",
+        "marks a tier whose lookup and finished jobs are already replaced",
+    ),
+    Reliance(
+        _CPU_MANAGER,
+        "CPUOffloadingManager._triton_keyed_specs",
+        "adds",
+        "marks a manager whose _get_load_store_spec already keeps the keys",
+    ),
     # ---- vLLM's specs and region
     Reliance(
         _CPU_SPEC,
@@ -319,6 +347,16 @@ def _problem(reliance: Reliance) -> str | None:
     except ImportError as error:
         return f"module {reliance.module} does not import ({error})"
     owner_path, _, attribute = reliance.name.rpartition(".")
+    if reliance.use == "adds":
+        # A marker this package sets on vLLM's objects: vLLM must not use the name.
+        try:
+            owner = _resolve(module, owner_path)
+            source = inspect.getsource(owner)
+        except (AttributeError, OSError, TypeError) as error:
+            return f"{owner_path} is not readable ({error})"
+        if hasattr(owner, attribute) or attribute in source:
+            return f"{owner_path} now uses {attribute}: this package's marker would collide"
+        return None
     if reliance.instance:
         try:
             owner = _resolve(module, owner_path)

@@ -20,11 +20,10 @@ from triton_offload.planner.plan import OffloadPlan, plan_offload
 from triton_offload.vllm.compat import (
     CONNECTOR_NAME,
     MODULE_PATH,
-    VLLM_0_34,
     logger,
     supported_vllm_api,
-    vllm_release,
 )
+from triton_offload.vllm.releases import RELEASE
 
 with supported_vllm_api():
     from vllm.v1.kv_cache_interface import (
@@ -141,12 +140,8 @@ def plan_from_kv_cache_config(
 
 
 def eagle_drop(vllm_config: Any) -> bool:
-    """Whether vLLM drops an EAGLE group's newest chunk: always on 0.33; on 0.34 only
-    without lookahead block hashes (``num_hash_lookahead_tokens`` 0), as its scheduler's
-    ``use_lookahead_block_hashes`` decides."""
-    if vllm_release() < VLLM_0_34:
-        return True  # vLLM 0.33 has no lookahead hashes (its config has no such field)
-    return not vllm_config.num_hash_lookahead_tokens > 0
+    """Whether vLLM drops an EAGLE group's newest chunk (the release's rule)."""
+    return bool(RELEASE.eagle_drop(vllm_config))
 
 
 def check_spans(plan: OffloadPlan, spans: Sequence[tuple[int, int]], blocks_per_chunk: int) -> None:

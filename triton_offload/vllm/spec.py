@@ -91,12 +91,10 @@ from triton_offload.transfer.selection import describe_paths
 from triton_offload.vllm.canonical import canonical_cache_layout
 from triton_offload.vllm.checkpoint import SERVED_REVISION, checkpoint_identity
 from triton_offload.vllm.compat import (
-    VLLM_0_34,
-    VLLM_EXTRA_CONFIG_KEYS,
     installed_vllm_version,
     logger,
     supported_vllm_api,
-    vllm_release,
+    vllm_extra_config_keys,
 )
 from triton_offload.vllm.convert import caches_from_canonical, plan_from_offloading_config
 from triton_offload.vllm.integrity import (
@@ -118,6 +116,7 @@ from triton_offload.vllm.region import (
     release_region,
     worker_pool_view,
 )
+from triton_offload.vllm.releases import RELEASE
 from triton_offload.vllm.tiers import (
     OWN_ROWS,
     PLANES_UNPUBLISHED,
@@ -139,13 +138,6 @@ with supported_vllm_api():
     from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo
     from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
     from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
-
-    # vLLM 0.34 only (see TritonWorkerSide._check_tiers_on_one_node).
-    reject_workers_across_nodes: Any = None
-    if vllm_release() >= VLLM_0_34:
-        from vllm.v1.kv_offload.tiering.spec import (
-            _reject_workers_across_nodes as reject_workers_across_nodes,
-        )
 
 check_vllm_internals()
 
@@ -181,7 +173,7 @@ class TritonWorkerSide:
                 "CUDA's; use vLLM's CPUOffloadingSpec on ROCm"
             )
         extra = config.extra_config
-        check_known_keys(extra, VLLM_EXTRA_CONFIG_KEYS[vllm_release()], installed_vllm_version())
+        check_known_keys(extra, vllm_extra_config_keys(), installed_vllm_version())
         validate_cpu_bytes(extra)
         requested = bool(config.canonical_layout or extra.get("canonical_layout"))
         if requested and not self._honours_canonical_layout:
@@ -433,16 +425,15 @@ class TritonWorkerSide:
         )
 
     def _check_tiers_on_one_node(self) -> None:
-        """vLLM 0.34's tiering spec refuses secondary tiers on workers spanning nodes (the
-        tiers run in the engine core and read only its node's region): so does this one,
-        before any mapping (a collective over the TP, PP and PCP groups)."""
+        """Where vLLM's tiering spec refuses secondary tiers on workers spanning nodes (the
+        tiers run in the engine core and read only its node's region), so does this one,
+        before any mapping (``RELEASE.check_workers_on_one_node``: a collective)."""
         if (
-            reject_workers_across_nodes is not None
-            and self._tiering_region
+            self._tiering_region
             and self.extra_config.get("secondary_tiers")
             and int(self.config.parallel.world_size) > 1
         ):
-            reject_workers_across_nodes()
+            RELEASE.check_workers_on_one_node()
 
     def create_worker(self, kv_caches: Any) -> TritonOffloadingWorker:
         self._check_tiers_on_one_node()

@@ -19,7 +19,7 @@ import numpy as np
 from triton_offload.transfer.jobs import TO_POOL, JobSpec
 from triton_offload.transfer.pointers import GroupPlanes, blocks_from_pointers
 from triton_offload.transfer.seal import PageSealer, key_digests
-from triton_offload.vllm.compat import VLLM_0_34, logger, supported_vllm_api, vllm_release
+from triton_offload.vllm.compat import logger, supported_vllm_api
 from triton_offload.vllm.convert import split_job
 from triton_offload.vllm.counters import (
     BYTES,
@@ -33,16 +33,16 @@ from triton_offload.vllm.counters import (
 )
 from triton_offload.vllm.integrity import spec_keys
 from triton_offload.vllm.region import check_ledger_job_id, release_region, wait_until
+from triton_offload.vllm.releases import RELEASE
 from triton_offload.vllm.tiers import withdraw_planes
 
 with supported_vllm_api():
     from vllm.v1.kv_offload.base import GPULoadStoreSpec, OffloadingWorker, TransferResult
     from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
-    # vLLM 0.34's connector worker resolves every job's GPU blocks to pointers first.
-    DevicePointers: Any = None
-    if vllm_release() >= VLLM_0_34:
-        from vllm.v1.kv_offload.base import DevicePointers
+#: vLLM's per-job pointer class where the release has one (its connector worker may
+#: resolve every job's GPU blocks to pointers first), else None.
+DevicePointers: Any = RELEASE.DevicePointers
 
 
 @dataclasses.dataclass
@@ -106,7 +106,7 @@ class JobChunks:
         return checksums.values[np.searchsorted(checksums.rows, self.chunks)]
 
 
-class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
+class TritonOffloadingWorker(RELEASE.SubmitSignatures, OffloadingWorker):  # type: ignore[misc]
     """vLLM ``OffloadingWorker`` backed by a ``TransferEngine`` on vLLM's shared region.
 
     ``submit_store(job_id, GPU side, CPULoadStoreSpec)`` and
@@ -245,29 +245,6 @@ class TritonOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
         )
 
     # --------------------------------------------------------------- submit
-
-    # vLLM's abstract methods name the GPU side per release (0.33: src_spec / dst_spec
-    # with block ids; 0.34: device_ptrs); callers pass it positionally, keyword callers
-    # get the installed release's names. Either kind of GPU side is taken on both.
-    if DevicePointers is None:
-
-        def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
-            return self._store(job_id, ("src_spec", src_spec), dst_spec)
-
-        def submit_load(
-            self, job_id: int, src_spec: Any, dst_spec: Any, expedited: bool = False
-        ) -> bool:
-            return self._load(job_id, src_spec, ("dst_spec", dst_spec), expedited)
-
-    else:
-
-        def submit_store(self, job_id: int, device_ptrs: Any, dst_spec: Any) -> bool:
-            return self._store(job_id, ("device_ptrs", device_ptrs), dst_spec)
-
-        def submit_load(
-            self, job_id: int, src_spec: Any, device_ptrs: Any, expedited: bool = False
-        ) -> bool:
-            return self._load(job_id, src_spec, ("device_ptrs", device_ptrs), expedited)
 
     def _store(self, job_id: Any, gpu: tuple[str, Any], dst_spec: Any) -> bool:
         if self._closed:
