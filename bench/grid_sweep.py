@@ -33,6 +33,7 @@ from triton_offload.bench import cases
 from triton_offload.bench.paths import build_workspace, plan_for
 
 from triton_offload.transfer.jobs import FROM_POOL, TO_POOL
+from triton_offload.transfer.selection import GatedTimer
 
 HYBRID_PRESETS = ("mamba-hybrid", "swa-hybrid")
 #: Tile sizes tried (bytes per item): the tables are cut with each and every launch runs
@@ -111,9 +112,10 @@ def _time_jobs(engine: Any, spec: Any, repeats: int) -> dict[str, float]:
     each), each behind the engine's gate: the lane is held until the job is enqueued,
     so no host enqueue time is counted."""
     seconds: dict[str, list[float]] = {"store": [], "load": []}
+    timer = GatedTimer(engine)
     for direction, name in ((TO_POOL, "store"), (FROM_POOL, "load")):
         for repeat in range(repeats + 1):
-            run = engine._run_gated(
+            run = timer.run(
                 spec,
                 direction,
                 engine.policy.assign(direction, [blocks.size for blocks in spec.gpu_blocks]),
@@ -138,7 +140,7 @@ def point_problem(ws: Any, engine: Any, seed: int) -> str | None:
     ws.fill_random(seed)
     original = ws.snapshot()
     engine.pool.fill_(POISON)
-    engine._run_now(ws.spec, TO_POOL, engine.policy.assign(TO_POOL, counts))
+    engine.run_unreported(ws.spec, TO_POOL, engine.policy.assign(TO_POOL, counts))
     expected = ws.expected_pool(engine.row_bytes)
     pool = engine.pool.cpu()
     if not torch.equal(pool, expected):
@@ -147,7 +149,7 @@ def point_problem(ws: Any, engine: Any, seed: int) -> str | None:
     if not ws.caches_equal(original):
         return "store changed the source caches"
     ws.poison_addressed_blocks()
-    engine._run_now(ws.spec, FROM_POOL, engine.policy.assign(FROM_POOL, counts))
+    engine.run_unreported(ws.spec, FROM_POOL, engine.policy.assign(FROM_POOL, counts))
     if not torch.equal(engine.pool.cpu(), expected):
         return "load changed the pool"
     if not ws.caches_equal(original):

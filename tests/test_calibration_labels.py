@@ -18,8 +18,8 @@ from triton_offload.bench import cases
 from triton_offload.bench.paths import spare_blocks
 
 from triton_offload.transfer import selection
-from triton_offload.transfer.engine import TimedRun
 from triton_offload.transfer.layout import CacheLayout, Plane
+from triton_offload.transfer.selection import TimedRun
 
 
 def preset_layout(case: cases.Case) -> tuple[CacheLayout, int]:
@@ -50,13 +50,15 @@ def preset_layout(case: cases.Case) -> tuple[CacheLayout, int]:
 
 
 class RecordingEngine(SimpleNamespace):
-    """What ``calibrate`` reads of an engine; each job is recorded, not run."""
+    """What ``calibrate`` reads of an engine, and its timer: each job is recorded, not run."""
 
     def __init__(self, layout: CacheLayout, rows: int) -> None:
         super().__init__(layout=layout, calibration_rows=range(rows), cuda=False)
         self.jobs: list[tuple[int, int, int]] = []  # (page bytes, blocks, planes)
 
-    def _run_gated(self, spec: Any, direction: int, assignment: Any) -> TimedRun:
+    cycles = 0
+
+    def run(self, spec: Any, direction: int, assignment: Any) -> TimedRun:
         ((name, planes),) = assignment
         counts = [np.asarray(blocks).size for blocks in spec.gpu_blocks]
         groups = [g for g, count in enumerate(counts) if count]
@@ -82,7 +84,7 @@ class RecordingEngine(SimpleNamespace):
 def test_each_point_is_labelled_by_the_pages_its_jobs_moved(name: str) -> None:
     layout, rows = preset_layout(cases.CASES[name])
     engine = RecordingEngine(layout, rows)
-    crossover = selection.calibrate(engine)  # type: ignore[arg-type]
+    crossover = selection.calibrate(engine, timer=engine)  # type: ignore[arg-type]
     moved = {(page, blocks) for page, blocks, _ in engine.jobs}
     for direction in (0, 1):
         assert set(crossover.grid[direction]) == moved
@@ -106,7 +108,7 @@ def test_points_reach_the_block_counts_of_real_jobs(name: str) -> None:
     case = cases.CASES[name]
     layout, rows = preset_layout(case)
     engine = RecordingEngine(layout, rows)
-    selection.calibrate(engine)  # type: ignore[arg-type]
+    selection.calibrate(engine, timer=engine)  # type: ignore[arg-type]
     for page in {page for page, _, _ in engine.jobs}:
         group = max(
             range(layout.num_groups),
@@ -128,6 +130,6 @@ def test_llama_points_no_longer_collapse_to_eight_blocks() -> None:
     """32 KiB pages x 64 planes: the byte cap once made both points 8 blocks x 64 planes."""
     layout, rows = preset_layout(cases.CASES["llama3.1-8b-tp1"])
     engine = RecordingEngine(layout, rows)
-    crossover = selection.calibrate(engine)  # type: ignore[arg-type]
+    crossover = selection.calibrate(engine, timer=engine)  # type: ignore[arg-type]
     assert set(crossover.grid[0]) == {(32768, 16), (32768, 130)}  # 130 pool rows
     assert crossover.planes == {(32768, 16): 32, (32768, 130): 3}

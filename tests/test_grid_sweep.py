@@ -77,7 +77,7 @@ def test_the_exactness_check_fills_the_caches_with_random_bytes() -> None:
                     view[ws.row_index(plane.group), 0] = 0
             return None
 
-        engine._run_now = zeros_store  # type: ignore[method-assign]
+        engine.run_unreported = zeros_store  # type: ignore[method-assign]
         problem = grid_sweep.point_problem(ws, engine, seed=5)
     finally:
         engine.shutdown()

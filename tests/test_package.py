@@ -153,3 +153,19 @@ def test_kernels_hold_only_jit_code_launchers_and_grid_functions() -> None:
             elif isinstance(node, ast.ClassDef):
                 bases = {ast.unparse(b) for b in node.bases}
                 assert bases == {"Protocol"}, f"{path.name}: class {node.name}"
+
+
+def test_only_the_engine_reads_its_own_books() -> None:
+    """The engine owns its jobs' books (in flight, queues, finished, locks): no other
+    module reaches into a ``TransferEngine``'s private members; what others need is a
+    public method (layer-staged loads, unreported calibration jobs, the lane's stream)."""
+    reaching = re.compile(r"\bengine\._[a-z]")
+    found = []
+    bench = Path(importlib.import_module("triton_offload.bench").__file__).parent
+    for path in sorted([*LIBRARY.rglob("*.py"), *bench.rglob("*.py")]):
+        if path.name == "engine.py" and path.parent.name == "transfer":
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if reaching.search(line):
+                found.append(f"{path}:{number}: {line.strip()}")
+    assert found == []

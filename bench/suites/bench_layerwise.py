@@ -87,7 +87,7 @@ class Model:
             self._layer()
 
     def _drain(self) -> None:
-        while self.engine._active:
+        while self.engine.jobs_in_flight():
             self.engine.get_finished()
             time.sleep(0.0002)
 

@@ -51,7 +51,8 @@ def calibration_report() -> list[str]:
     try:
         assert engine.crossover is not None  # an auto engine on CUDA calibrates
         gate = (
-            f"device time only: each job's lane held by a {engine._gate_cycles}-cycle spin "
+            f"device time only: each job's lane held by a {engine.crossover.gate_cycles}-cycle "
+            "spin "
             "until the job was enqueued; host time (prepare + enqueue) in brackets"
         )
         return [*engine.crossover.describe(), gate]

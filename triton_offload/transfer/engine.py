@@ -66,7 +66,6 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -97,7 +96,7 @@ from triton_offload.transfer.jobs import (
     PairTable,
     pair_table,
 )
-from triton_offload.transfer.layered import LayeredLoad, submit_layered
+from triton_offload.transfer.layered import LayeredLoad, check_stages, stage_assignment
 from triton_offload.transfer.layout import (
     CacheLayout,
     Layer,
@@ -139,26 +138,6 @@ _BACKEND_COPIERS = {
     "dma": ("dma",),
     "torch": ("torch",),
 }
-
-
-@dataclass(frozen=True)
-class TimedRun:
-    """One calibration job's seconds: ``device_s`` between its start and end events,
-    ``host_s`` to prepare and enqueue it; ``gated``: the lane was held until the whole
-    job was enqueued (so ``device_s`` holds no host time)."""
-
-    device_s: float
-    host_s: float
-    gated: bool
-
-
-#: Spin cycles that first hold a lane before a timed calibration job: ~1 ms at the
-#: 1.98 GHz boost clock of an H100/H200. A calibration job is at most a few thousand
-#: pages, and DMA submission costs ~0.5 us per descriptor (DESIGN.md, section 5): about
-#: 0.5 ms for 1,000 runs. A job that outlasts its gate doubles it (see _run_gated).
-_GATE_CYCLES = 2_000_000
-#: ~135 ms at 2 GHz: past this the enqueue itself is the problem, not the gate.
-_MAX_GATE_CYCLES = 1 << 28
 
 
 def _release(streams: list[Any], pool: HostPool) -> None:
@@ -360,7 +339,6 @@ class TransferEngine:
         # CPU: one job per lane copies at a time (the CUDA streams' FIFO order);
         # copies run outside _lock so that get_finished never waits for a copy.
         self._copy_locks = {lane: threading.Lock() for lane in LANES}
-        self._gate_cycles = _GATE_CYCLES  # see _run_gated
         self.last_job_table: PairTable | None = None
         self.last_job_backend: str | None = None
         self.last_job_assignment: Assignment | None = None
@@ -559,7 +537,211 @@ class TransferEngine:
             busy = [job_id for job_id in ids if job_id in self._active]
             if busy:
                 raise ValueError(f"job ids {busy} are already in flight")
-            return submit_layered(self, specs, stages, checksum=checksum)
+            return self._submit_layered(specs, stages, checksum=checksum)
+
+    # ------------------------------------------------------- layer-staged loads
+
+    def _layered_job_runs(
+        self,
+        job: RunningJob,
+        table: PairTable,
+        stages: list[tuple[int, ...]],
+        stream: Any,
+    ) -> tuple[list[list[Callable[[], None]]], list[Callable[[], None]]]:
+        """(runs of each stage, runs after the last stage) of one job."""
+        num_planes = len(self.layout.planes)
+        holds = job.holds
+        summer = self._summer if job.checksum else None
+        page_sums = None
+        pages = None
+        if summer is not None:
+            pages = job_pages(self.layout, table)
+            page_sums = torch.zeros(pages.rows.size, dtype=torch.int64, device=self.device)
+            holds.keep_alive.append(page_sums)
+        per_stage: list[list[Callable[[], None]]] = []
+        for stage in stages:
+            parts = stage_assignment(job.assignment, stage, num_planes)
+            subset = None if len(stage) == num_planes else stage
+            if summer is not None and pages is not None and page_sums is not None:
+                if parts == (("triton", subset),):
+                    sums = PageSums(page_sums, pages.pair_pages)
+                    runs = [summer.prepare(table, FROM_POOL, subset, holds, stream, sums=sums)]
+                else:
+                    runs = [
+                        self.copiers[name].prepare(table, FROM_POOL, planes, holds, stream)
+                        for name, planes in parts
+                    ]
+                    landed = PageSums(page_sums, pages.pair_pages, write=False)
+                    runs.append(summer.prepare(table, TO_POOL, subset, holds, stream, sums=landed))
+            else:
+                runs = [
+                    self.copiers[name].prepare(table, FROM_POOL, planes, holds, stream)
+                    for name, planes in parts
+                ]
+            per_stage.append(runs)
+        tail: list[Callable[[], None]] = []
+        if summer is not None and pages is not None and page_sums is not None:
+            tail = self._summed_tail(job, pages, page_sums, stream)
+        elif job.checksum:
+            # The CPU path: the host hashes each page once the last stage landed.
+            def hash_pages() -> None:
+                sums = host_checksums(
+                    self.pool.numpy(), self.layout, table, self.checksum_algorithm
+                )
+                job.checksum_rows, job.checksum_values = sums.rows, sums.values
+
+            tail.append(hash_pages)
+        return per_stage, tail
+
+    def _submit_layered(
+        self,
+        jobs: Sequence[tuple[Hashable, JobSpec]],
+        stages: Sequence[Sequence[int]],
+        *,
+        checksum: bool,
+    ) -> LayeredLoad:
+        """Validate every job, then enqueue (CUDA) or start (CPU, on a thread) them stage by
+        stage (``transfer.layered``). The engine's lock is held by the caller."""
+        checked = check_stages(stages, len(self.layout.planes))
+        made: list[tuple[RunningJob, PairTable]] = []
+        for job_id, spec in jobs:
+            table = self.build_job_table(spec, FROM_POOL)
+            counts = [blocks.size for blocks in spec.gpu_blocks]
+            size = sum(c * b for c, b in zip(counts, self._bytes_per_block, strict=True))
+            job = RunningJob(
+                job_id, FROM_POOL, self.policy.assign(FROM_POOL, counts), size, EXPEDITED_LOAD
+            )
+            job.checksum = checksum
+            job.checksum_algorithm = self.checksum_algorithm
+            made.append((job, table))
+        handle = LayeredLoad(
+            tuple(job.job_id for job, _ in made), len(checked), self.cuda, self.device
+        )
+        handle._jobs = [job for job, _ in made]
+        if not self.cuda:
+            handle.events = [threading.Event() for _ in checked]
+        # From the first job entering the books, an interrupt (KeyboardInterrupt, SystemExit)
+        # at any line must still leave every job reported once: the jobs not yet marked
+        # finished are failed, queued and marked here, and every wait is released. On CPU
+        # the copy thread marks them itself under the same lock and skips jobs settled
+        # first, so a thread that did start never reports one twice.
+        try:
+            for job, _ in made:
+                self._active[job.job_id] = job
+            if self.cuda:
+                self._enqueue_layered_cuda(made, checked, handle)
+            else:
+                thread = threading.Thread(
+                    target=self._run_layered_cpu,
+                    args=(made, checked, handle),
+                    name="triton-offload-layered-load",
+                    daemon=True,
+                )
+                thread.start()
+        except BaseException:
+            handle.fail_all()
+            for job, _ in made:
+                self._settle_interrupted(job)
+            if not self.cuda:
+                for event in handle.events:
+                    event.set()
+                handle._ended.set()
+            raise
+        return handle
+
+    def _enqueue_layered_cuda(
+        self, made: list[Any], stages: list[tuple[int, ...]], handle: LayeredLoad
+    ) -> None:
+        stream = self._streams[made[0][0].lane] if made else None
+        # Timed events: a stage's bandwidth is the time between two (bench_layerwise.py).
+        handle.events = [torch.cuda.Event(enable_timing=True) for _ in stages]
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        for job, _ in made:
+            job.start = torch.cuda.Event(enable_timing=True)
+            job.end = torch.cuda.Event(enable_timing=True)
+            self._queues[job.lane].append(job)
+        recorded = 0
+        try:
+            with torch.cuda.device(self.device), torch.cuda.stream(stream):
+                prepared = [
+                    self._layered_job_runs(job, table, stages, stream) for job, table in made
+                ]
+                stream.wait_event(ready)
+                for job, _ in made:
+                    job.start.record(stream)
+                for number in range(len(stages)):
+                    for per_stage, _ in prepared:
+                        for run in per_stage[number]:
+                            run()
+                    handle.events[number].record(stream)
+                    recorded += 1
+                for (job, _), (_, tail) in zip(made, prepared, strict=True):
+                    for run in tail:
+                        run()
+                    job.end.record(stream)
+        except BaseException as error:
+            handle.fail_all()
+            # Whatever was enqueued still runs; every wait and job end follows it.
+            for event in handle.events[recorded:]:
+                event.record(stream)
+            for job, _ in made:
+                job.end.record(stream)
+            if isinstance(error, Exception):
+                logger.exception("layer-staged load jobs %s failed", list(handle.job_ids))
+            else:
+                raise
+        finally:
+            for job, _ in made:
+                job.holds.release_after(job.end)
+                job.finished.set()
+
+    def _run_layered_cpu(
+        self, made: list[Any], stages: list[tuple[int, ...]], handle: LayeredLoad
+    ) -> None:
+        start = time.perf_counter()
+        try:
+            with self._lock:
+                settled = any(job.finished.is_set() for job, _ in made)
+            if settled:
+                return  # the submit was interrupted and failed the jobs: copy nothing
+            with self._copy_locks[EXPEDITED_LOAD]:
+                if self._closed:
+                    # shutdown released the pool while this thread was on its way to the lock
+                    # (shutdown takes every copy lock first, so a copy holding it is safe):
+                    # the runs would move bytes by raw address from released memory.
+                    logger.error(
+                        "layer-staged load jobs %s failed: the engine was shut down before "
+                        "they copied",
+                        list(handle.job_ids),
+                    )
+                    handle.fail_all()
+                    return
+                prepared = [self._layered_job_runs(job, table, stages, None) for job, table in made]
+                for number in range(len(stages)):
+                    for per_stage, _ in prepared:
+                        for run in per_stage[number]:
+                            run()
+                    handle.events[number].set()
+                for _, tail in prepared:
+                    for run in tail:
+                        run()
+        except Exception:
+            logger.exception("layer-staged load jobs %s failed", list(handle.job_ids))
+            handle.fail_all()
+        finally:
+            elapsed = time.perf_counter() - start
+            with self._lock:
+                for job, _ in made:
+                    if job.finished.is_set():
+                        continue  # settled by an interrupted submit, reported from there
+                    job.transfer_time = elapsed
+                    job.holds.release_after(None)
+                    self._finished.append(job)
+                    job.finished.set()
+            for event in handle.events:
+                event.set()  # released in any case (a failed stage fails the jobs above)
+            handle._ended.set()
 
     def _submit(
         self,
@@ -636,6 +818,11 @@ class TransferEngine:
         submit that raised KeyboardInterrupt or SystemExit learns whether it will be)."""
         with self._lock:
             return job_id in self._active
+
+    def jobs_in_flight(self) -> int:
+        """How many jobs entered the books and were not reported yet."""
+        with self._lock:
+            return len(self._active)
 
     def _prepare(self, job: RunningJob, table: PairTable, stream: Any) -> list[Callable[[], None]]:
         if job.checksum and self._summer is not None:
@@ -783,45 +970,21 @@ class TransferEngine:
             job.holds.release_after(job.end)
             job.finished.set()
 
-    def _run_gated(self, spec: JobSpec, direction: int, assignment: Assignment) -> TimedRun:
-        """Run one job like :meth:`_run_now`, its device time apart from its host time.
+    # ------------------------------------------------- unreported jobs (calibration)
 
-        On an idle stream the start event completes as soon as it is recorded, and the
-        copy follows only when the host has enqueued it: the span would count Python and
-        driver enqueue time (biasing small jobs toward whichever copier enqueues
-        faster). So the lane is first held by a spin kernel (``torch.cuda._sleep``)
-        that outlasts the enqueue of the whole job; the start event then completes
-        when the copy can begin. If the gate ended before the job was enqueued (its
-        event already completed), the job is run again behind a gate twice as long.
-        Without CUDA the copy is timed alone (the engine's wall clock around it).
-        """
-        if not self.cuda:
-            began = time.perf_counter()
-            result = self._run_now(spec, direction, assignment)
-            wall = time.perf_counter() - began
-            return TimedRun(result.transfer_time, wall - result.transfer_time, gated=True)
-        lane = self._streams[direction]
-        while True:
-            gate = torch.cuda.Event()
-            with torch.cuda.device(self.device), torch.cuda.stream(lane):
-                torch.cuda._sleep(self._gate_cycles)
-                gate.record(lane)
-            began = time.perf_counter()
-            job = self._start_unreported(spec, direction, assignment)
-            host = time.perf_counter() - began
-            held = not gate.query()
-            result = self._finish_unreported(job)
-            if held or self._gate_cycles >= _MAX_GATE_CYCLES:
-                return TimedRun(result.transfer_time, host, gated=held)
-            self._gate_cycles *= 2
-
-    def _run_now(self, spec: JobSpec, direction: int, assignment: Assignment) -> TransferResult:
-        """Run one job with a forced assignment and wait for it (calibration); not reported."""
-        return self._finish_unreported(self._start_unreported(spec, direction, assignment))
-
-    def _start_unreported(
+    def run_unreported(
         self, spec: JobSpec, direction: int, assignment: Assignment
-    ) -> RunningJob:
+    ) -> TransferResult:
+        """Run one job with a forced assignment and wait for it (calibration, the bench's
+        checks); ``get_finished`` never reports it."""
+        return self.finish_unreported(self.start_unreported(spec, direction, assignment))
+
+    def lane_stream(self, direction: int) -> Any:
+        """The CUDA stream of ``direction``'s lane (None without CUDA): a calibration
+        timer holds it before a timed job."""
+        return self._streams[direction] if self.cuda else None
+
+    def start_unreported(self, spec: JobSpec, direction: int, assignment: Assignment) -> RunningJob:
         """Enqueue (CUDA) or run (CPU) a job that ``get_finished`` will not report."""
         job_id = ("calibration", object())
         self._submit(job_id, spec, direction, assignment)
@@ -833,8 +996,8 @@ class TransferEngine:
                 self._finished.remove(job)
         return job
 
-    def _finish_unreported(self, job: RunningJob) -> TransferResult:
-        """Wait for a job of :meth:`_start_unreported`; RuntimeError when it failed."""
+    def finish_unreported(self, job: RunningJob) -> TransferResult:
+        """Wait for a job of :meth:`start_unreported`; RuntimeError when it failed."""
         if self.cuda:
             job.end.synchronize()
         job.holds.keep_alive.clear()
@@ -952,7 +1115,6 @@ __all__ = [
     "Crossover",
     "DmaCopier",
     "JobSpec",
-    "TimedRun",
     "TransferEngine",
     "TransferResult",
     "calibrate",

@@ -23,20 +23,11 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-
-from triton_offload.transfer.checksums import host_checksums, job_pages
-from triton_offload.transfer.copiers import PageSums
-from triton_offload.transfer.job_state import EXPEDITED_LOAD, RunningJob
-from triton_offload.transfer.jobs import FROM_POOL, TO_POOL, JobSpec, PairTable
-
-if TYPE_CHECKING:
-    from triton_offload.transfer.engine import TransferEngine
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +127,7 @@ def check_stages(stages: object, num_planes: int) -> list[tuple[int, ...]]:
     return checked
 
 
-def _stage_assignment(assignment: Any, stage: tuple[int, ...], num_planes: int) -> Any:
+def stage_assignment(assignment: Any, stage: tuple[int, ...], num_planes: int) -> Any:
     """The job's (copier, planes) restricted to one stage's planes (empty parts dropped)."""
     wanted = set(stage)
     parts = []
@@ -147,207 +138,4 @@ def _stage_assignment(assignment: Any, stage: tuple[int, ...], num_planes: int) 
     return tuple(parts)
 
 
-def _job_runs(
-    engine: TransferEngine,
-    job: RunningJob,
-    table: PairTable,
-    stages: list[tuple[int, ...]],
-    stream: Any,
-) -> tuple[list[list[Callable[[], None]]], list[Callable[[], None]]]:
-    """(runs of each stage, runs after the last stage) of one job."""
-    num_planes = len(engine.layout.planes)
-    holds = job.holds
-    summer = engine._summer if job.checksum else None
-    page_sums = None
-    pages = None
-    if summer is not None:
-        pages = job_pages(engine.layout, table)
-        page_sums = torch.zeros(pages.rows.size, dtype=torch.int64, device=engine.device)
-        holds.keep_alive.append(page_sums)
-    per_stage: list[list[Callable[[], None]]] = []
-    for stage in stages:
-        parts = _stage_assignment(job.assignment, stage, num_planes)
-        subset = None if len(stage) == num_planes else stage
-        if summer is not None and pages is not None and page_sums is not None:
-            if parts == (("triton", subset),):
-                sums = PageSums(page_sums, pages.pair_pages)
-                runs = [summer.prepare(table, FROM_POOL, subset, holds, stream, sums=sums)]
-            else:
-                runs = [
-                    engine.copiers[name].prepare(table, FROM_POOL, planes, holds, stream)
-                    for name, planes in parts
-                ]
-                landed = PageSums(page_sums, pages.pair_pages, write=False)
-                runs.append(summer.prepare(table, TO_POOL, subset, holds, stream, sums=landed))
-        else:
-            runs = [
-                engine.copiers[name].prepare(table, FROM_POOL, planes, holds, stream)
-                for name, planes in parts
-            ]
-        per_stage.append(runs)
-    tail: list[Callable[[], None]] = []
-    if summer is not None and pages is not None and page_sums is not None:
-        tail = engine._summed_tail(job, pages, page_sums, stream)
-    elif job.checksum:
-        # The CPU path: the host hashes each page once the last stage landed.
-        def hash_pages() -> None:
-            sums = host_checksums(
-                engine.pool.numpy(), engine.layout, table, engine.checksum_algorithm
-            )
-            job.checksum_rows, job.checksum_values = sums.rows, sums.values
-
-        tail.append(hash_pages)
-    return per_stage, tail
-
-
-def submit_layered(
-    engine: TransferEngine,
-    jobs: Sequence[tuple[Hashable, JobSpec]],
-    stages: Sequence[Sequence[int]],
-    *,
-    checksum: bool,
-) -> LayeredLoad:
-    """Validate every job, then enqueue (CUDA) or start (CPU, on a thread) them stage by
-    stage; see the module docstring. The engine's lock is held by the caller."""
-    checked = check_stages(stages, len(engine.layout.planes))
-    made: list[tuple[RunningJob, PairTable]] = []
-    for job_id, spec in jobs:
-        table = engine.build_job_table(spec, FROM_POOL)
-        counts = [blocks.size for blocks in spec.gpu_blocks]
-        size = sum(c * b for c, b in zip(counts, engine._bytes_per_block, strict=True))
-        job = RunningJob(
-            job_id, FROM_POOL, engine.policy.assign(FROM_POOL, counts), size, EXPEDITED_LOAD
-        )
-        job.checksum = checksum
-        job.checksum_algorithm = engine.checksum_algorithm
-        made.append((job, table))
-    handle = LayeredLoad(
-        tuple(job.job_id for job, _ in made), len(checked), engine.cuda, engine.device
-    )
-    handle._jobs = [job for job, _ in made]
-    if not engine.cuda:
-        handle.events = [threading.Event() for _ in checked]
-    # From the first job entering the books, an interrupt (KeyboardInterrupt, SystemExit)
-    # at any line must still leave every job reported once: the jobs not yet marked
-    # finished are failed, queued and marked here, and every wait is released. On CPU
-    # the copy thread marks them itself under the same lock and skips jobs settled
-    # first, so a thread that did start never reports one twice.
-    try:
-        for job, _ in made:
-            engine._active[job.job_id] = job
-        if engine.cuda:
-            _enqueue_cuda(engine, made, checked, handle)
-        else:
-            thread = threading.Thread(
-                target=_run_cpu,
-                args=(engine, made, checked, handle),
-                name="triton-offload-layered-load",
-                daemon=True,
-            )
-            thread.start()
-    except BaseException:
-        handle.fail_all()
-        for job, _ in made:
-            engine._settle_interrupted(job)
-        if not engine.cuda:
-            for event in handle.events:
-                event.set()
-            handle._ended.set()
-        raise
-    return handle
-
-
-def _enqueue_cuda(
-    engine: TransferEngine, made: list[Any], stages: list[tuple[int, ...]], handle: LayeredLoad
-) -> None:
-    stream = engine._streams[made[0][0].lane] if made else None
-    # Timed events: a stage's bandwidth is the time between two (bench_layerwise.py).
-    handle.events = [torch.cuda.Event(enable_timing=True) for _ in stages]
-    ready = torch.cuda.Event()
-    ready.record(torch.cuda.current_stream(engine.device))
-    for job, _ in made:
-        job.start = torch.cuda.Event(enable_timing=True)
-        job.end = torch.cuda.Event(enable_timing=True)
-        engine._queues[job.lane].append(job)
-    recorded = 0
-    try:
-        with torch.cuda.device(engine.device), torch.cuda.stream(stream):
-            prepared = [_job_runs(engine, job, table, stages, stream) for job, table in made]
-            stream.wait_event(ready)
-            for job, _ in made:
-                job.start.record(stream)
-            for number in range(len(stages)):
-                for per_stage, _ in prepared:
-                    for run in per_stage[number]:
-                        run()
-                handle.events[number].record(stream)
-                recorded += 1
-            for (job, _), (_, tail) in zip(made, prepared, strict=True):
-                for run in tail:
-                    run()
-                job.end.record(stream)
-    except BaseException as error:
-        handle.fail_all()
-        # Whatever was enqueued still runs; every wait and job end follows it.
-        for event in handle.events[recorded:]:
-            event.record(stream)
-        for job, _ in made:
-            job.end.record(stream)
-        if isinstance(error, Exception):
-            logger.exception("layer-staged load jobs %s failed", list(handle.job_ids))
-        else:
-            raise
-    finally:
-        for job, _ in made:
-            job.holds.release_after(job.end)
-            job.finished.set()
-
-
-def _run_cpu(
-    engine: TransferEngine, made: list[Any], stages: list[tuple[int, ...]], handle: LayeredLoad
-) -> None:
-    start = time.perf_counter()
-    try:
-        with engine._lock:
-            settled = any(job.finished.is_set() for job, _ in made)
-        if settled:
-            return  # the submit was interrupted and failed the jobs: copy nothing
-        with engine._copy_locks[EXPEDITED_LOAD]:
-            if engine._closed:
-                # shutdown released the pool while this thread was on its way to the lock
-                # (shutdown takes every copy lock first, so a copy holding it is safe):
-                # the runs would move bytes by raw address from released memory.
-                logger.error(
-                    "layer-staged load jobs %s failed: the engine was shut down before they copied",
-                    list(handle.job_ids),
-                )
-                handle.fail_all()
-                return
-            prepared = [_job_runs(engine, job, table, stages, None) for job, table in made]
-            for number in range(len(stages)):
-                for per_stage, _ in prepared:
-                    for run in per_stage[number]:
-                        run()
-                handle.events[number].set()
-            for _, tail in prepared:
-                for run in tail:
-                    run()
-    except Exception:
-        logger.exception("layer-staged load jobs %s failed", list(handle.job_ids))
-        handle.fail_all()
-    finally:
-        elapsed = time.perf_counter() - start
-        with engine._lock:
-            for job, _ in made:
-                if job.finished.is_set():
-                    continue  # settled by an interrupted submit, reported from there
-                job.transfer_time = elapsed
-                job.holds.release_after(None)
-                engine._finished.append(job)
-                job.finished.set()
-        for event in handle.events:
-            event.set()  # released in any case (a failed stage fails the jobs above)
-        handle._ended.set()
-
-
-__all__ = ["STAGE_WAIT_SECONDS", "LayeredLoad", "check_stages", "submit_layered"]
+__all__ = ["STAGE_WAIT_SECONDS", "LayeredLoad", "check_stages", "stage_assignment"]

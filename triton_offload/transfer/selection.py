@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -62,6 +63,9 @@ class Crossover:
         default_factory=dict
     )
     planes: Mapping[tuple[int, int], int] = field(default_factory=dict)
+    #: The spin cycles that held each timed job's lane at the end of the calibration
+    #: (None: configured, not measured).
+    gate_cycles: int | None = None
 
     def choose(self, direction: int, page_bytes: float, pages: int) -> str:
         if self.threshold is not None:
@@ -355,8 +359,71 @@ def calibration_job(
     return CalibrationJob(JobSpec(gpu, host), page, blocks, tuple(sorted(set(chosen))))
 
 
+@dataclass(frozen=True)
+class TimedRun:
+    """One calibration job's seconds: ``device_s`` between its start and end events,
+    ``host_s`` to prepare and enqueue it; ``gated``: the lane was held until the whole
+    job was enqueued (so ``device_s`` holds no host time)."""
+
+    device_s: float
+    host_s: float
+    gated: bool
+
+
+#: Spin cycles that first hold a lane before a timed calibration job: ~1 ms at the
+#: 1.98 GHz boost clock of an H100/H200. A calibration job is at most a few thousand
+#: pages, and DMA submission costs ~0.5 us per descriptor (DESIGN.md, section 5): about
+#: 0.5 ms for 1,000 runs. A job that outlasts its gate doubles it (see GatedTimer.run).
+GATE_CYCLES = 2_000_000
+#: ~135 ms at 2 GHz: past this the enqueue itself is the problem, not the gate.
+MAX_GATE_CYCLES = 1 << 28
+
+
+class GatedTimer:
+    """Times one job at a time through an engine's own path, its device time apart from
+    its host time (calibration, the bench's grid sweep).
+
+    On an idle stream the start event completes as soon as it is recorded, and the copy
+    follows only when the host has enqueued it: the span would count Python and driver
+    enqueue time (biasing small jobs toward whichever copier enqueues faster). So the
+    lane is first held by a spin kernel (``torch.cuda._sleep``) that outlasts the enqueue
+    of the whole job; the start event then completes when the copy can begin. If the gate
+    ended before the job was enqueued (its event already completed), the job is run again
+    behind a gate twice as long, and ``cycles`` stays doubled for later jobs. Without
+    CUDA the copy is timed alone (the engine's wall clock around it).
+    """
+
+    def __init__(self, engine: TransferEngine, cycles: int = GATE_CYCLES) -> None:
+        self.engine = engine
+        self.cycles = cycles
+
+    def run(self, spec: JobSpec, direction: int, assignment: Assignment) -> TimedRun:
+        engine = self.engine
+        if not engine.cuda:
+            began = time.perf_counter()
+            result = engine.run_unreported(spec, direction, assignment)
+            wall = time.perf_counter() - began
+            return TimedRun(result.transfer_time, wall - result.transfer_time, gated=True)
+        import torch
+
+        lane = engine.lane_stream(direction)
+        while True:
+            gate = torch.cuda.Event()
+            with torch.cuda.device(engine.device), torch.cuda.stream(lane):
+                torch.cuda._sleep(self.cycles)
+                gate.record(lane)
+            began = time.perf_counter()
+            job = engine.start_unreported(spec, direction, assignment)
+            host = time.perf_counter() - began
+            held = not gate.query()
+            result = engine.finish_unreported(job)
+            if held or self.cycles >= MAX_GATE_CYCLES:
+                return TimedRun(result.transfer_time, host, gated=held)
+            self.cycles *= 2
+
+
 def _time_point(
-    engine: TransferEngine, job: CalibrationJob, names: tuple[str, ...]
+    timer: GatedTimer | Any, job: CalibrationJob, names: tuple[str, ...]
 ) -> dict[int, dict[str, tuple[float, float]]]:
     """Per direction and copier: median (device, host) seconds of the point's job."""
     device: dict[int, dict[str, list[float]]] = {d: {n: [] for n in names} for d in _DIRECTIONS}
@@ -364,7 +431,7 @@ def _time_point(
     for repeat in range(CALIBRATION_REPEATS + 1):
         for name in names:
             for direction in _DIRECTIONS:
-                run = engine._run_gated(job.spec, direction, ((name, job.planes),))
+                run = timer.run(job.spec, direction, ((name, job.planes),))
                 if repeat:  # the first round warms up (compilation, first touch)
                     device[direction][name].append(run.device_s)
                     host[direction][name].append(run.host_s)
@@ -377,19 +444,24 @@ def _time_point(
 _DIRECTIONS = (TO_POOL, FROM_POOL)
 
 
-def calibrate(engine: TransferEngine, names: tuple[str, str] = ("triton", "dma")) -> Crossover:
+def calibrate(
+    engine: TransferEngine,
+    names: tuple[str, str] = ("triton", "dma"),
+    timer: GatedTimer | None = None,
+) -> Crossover:
     """Time the copiers against each other per direction, through the engine's submit path.
 
     Grid: each distinct page size of the layout (up to 4) x ``CALIBRATION_PAGES`` blocks,
     each point keyed by the blocks its job really moved (two wanted counts that cap to
     the same blocks are one point). Each point is a real job on the engine's own layout
     restricted to planes of that size (one group), timed by the engine's own start/end
-    events with the lane held until the job was enqueued (``_run_gated``: device time
-    only; host time is kept apart), stores and loads alternating on the same blocks and
-    rows: a load writes back the bytes the store just read, so the caches end as they
-    began. Pool rows in ``engine.calibration_rows`` are overwritten (at construction
-    the engine has stored nothing yet); no other row is touched.
+    events with the lane held until the job was enqueued (:class:`GatedTimer`, or
+    ``timer``: device time only; host time is kept apart), stores and loads alternating
+    on the same blocks and rows: a load writes back the bytes the store just read, so the
+    caches end as they began. Pool rows in ``engine.calibration_rows`` are overwritten
+    (at construction the engine has stored nothing yet); no other row is touched.
     """
+    timer = GatedTimer(engine) if timer is None else timer
     rng = np.random.default_rng(0)
     grid: dict[int, dict[tuple[int, int], str]] = {d: {} for d in _DIRECTIONS}
     timings: dict[int, dict[tuple[int, int], dict[str, float]]] = {d: {} for d in _DIRECTIONS}
@@ -402,12 +474,14 @@ def calibrate(engine: TransferEngine, names: tuple[str, str] = ("triton", "dma")
                 continue
             key = (page, job.blocks)
             planes[key] = len(job.planes)
-            for direction, medians in _time_point(engine, job, names).items():
+            for direction, medians in _time_point(timer, job, names).items():
                 device_s = {n: t[0] for n, t in medians.items()}
                 grid[direction][key] = min(device_s, key=device_s.__getitem__)
                 timings[direction][key] = device_s
                 host[direction][key] = {n: t[1] for n, t in medians.items()}
-    crossover = Crossover(grid=grid, timings=timings, host_timings=host, planes=planes)
+    crossover = Crossover(
+        grid=grid, timings=timings, host_timings=host, planes=planes, gate_cycles=timer.cycles
+    )
     for line in crossover.describe():
         logger.info("calibration %s", line)
     return crossover
