@@ -175,6 +175,34 @@ def _checked_device(cache_device: torch.device, device: torch.device | str | Non
     return cache_device
 
 
+def _checked_arguments(
+    backend: object,
+    path_choice: object,
+    num_host_blocks: object,
+    pool_piece_bytes: object,
+    num_programs: object,
+    page_checksums: object,
+) -> int | None:
+    """The engine's scalar arguments checked before anything is built (each refusal
+    names the argument and its value); returns ``num_programs`` normalised."""
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend {backend!r} is not one of {_BACKENDS}")
+    if path_choice not in PATH_CHOICES:
+        raise ValueError(f"path_choice {path_choice!r} is not one of {PATH_CHOICES}")
+    if isinstance(num_host_blocks, bool) or not isinstance(num_host_blocks, int):
+        raise TypeError(f"num_host_blocks must be an int, got {num_host_blocks!r}")
+    if num_host_blocks < 1:
+        raise ValueError(f"num_host_blocks {num_host_blocks} must be >= 1")
+    check_int("pool_piece_bytes", pool_piece_bytes, 1)
+    if num_programs is not None:
+        # Checked on every backend: 0 or -3 launched an empty grid on the kernel path
+        # (every job "succeeded", nothing moved) and "4" failed every job later.
+        num_programs = check_num_programs(num_programs)
+    if not isinstance(page_checksums, bool):
+        raise TypeError(f"page_checksums must be a bool, got {page_checksums!r}")
+    return num_programs
+
+
 def _layout_of(
     caches: Sequence[Sequence[Layer]] | CacheLayout, num_groups: int, blocks_per_chunk: int
 ) -> CacheLayout:
@@ -250,19 +278,9 @@ class TransferEngine:
         calibration_rows: tuple[int, int] = (0, 1),
         page_checksums: bool = False,
     ) -> None:
-        if backend not in _BACKENDS:
-            raise ValueError(f"backend {backend!r} is not one of {_BACKENDS}")
-        if path_choice not in PATH_CHOICES:
-            raise ValueError(f"path_choice {path_choice!r} is not one of {PATH_CHOICES}")
-        if isinstance(num_host_blocks, bool) or not isinstance(num_host_blocks, int):
-            raise TypeError(f"num_host_blocks must be an int, got {num_host_blocks!r}")
-        if num_host_blocks < 1:
-            raise ValueError(f"num_host_blocks {num_host_blocks} must be >= 1")
-        check_int("pool_piece_bytes", pool_piece_bytes, 1)
-        if num_programs is not None:
-            # Checked on every backend: 0 or -3 launched an empty grid on the kernel path
-            # (every job "succeeded", nothing moved) and "4" failed every job later.
-            num_programs = check_num_programs(num_programs)
+        num_programs = _checked_arguments(
+            backend, path_choice, num_host_blocks, pool_piece_bytes, num_programs, page_checksums
+        )
         #: Pool rows the calibration may overwrite (see ``calibration_rows``).
         self.calibration_rows: range = calibration_slice(calibration_rows, num_host_blocks)
         if not isinstance(plan, OffloadPlan):
@@ -282,8 +300,6 @@ class TransferEngine:
         self.row_bytes: int = self.layout.row_bytes
         self.num_programs = num_programs
 
-        if not isinstance(page_checksums, bool):
-            raise TypeError(f"page_checksums must be a bool, got {page_checksums!r}")
         if page_checksums and self.layout.writer_classes not in ((), ((1, 0),)):
             # A page whose slots several ranks take turns writing is not one engine's to
             # checksum (vLLM's stock rows, which carry no seal).
@@ -306,6 +322,22 @@ class TransferEngine:
             # Checked before the pool is allocated: a refused backend costs nothing.
             load_kernels(backend, self.cuda)
 
+        self._build_pool(pool, num_host_blocks, pool_piece_bytes)
+        self._build_books()
+        self._build_streams(stream_priority)
+        self._build_copiers(backend)
+        self._build_policy(backend, configured_crossover, path_choice)
+        # An engine dropped without shutdown() still drains its streams before the
+        # pool's pages are unlocked.
+        self._finalizer = weakref.finalize(self, _release, list(self._streams.values()), self._pool)
+
+    # ------------------------------------------------------------------ builders
+
+    def _build_pool(
+        self, pool: torch.Tensor | None, num_host_blocks: int, pool_piece_bytes: int
+    ) -> None:
+        """The host pool (allocated pinned on CUDA, or the caller's wrapped), its address
+        as the device sees it and its row stride."""
         # Registration and device pointers refer to the current device's context.
         with torch.cuda.device(self.device) if self.cuda else contextlib.nullcontext():
             if pool is None:
@@ -326,6 +358,8 @@ class TransferEngine:
         # whatever the number of layers.
         self._bytes_per_block = self.layout.bytes_per_block
 
+    def _build_books(self) -> None:
+        """The job books and their locks: this engine keeps the only ledger of its jobs."""
         self._active: dict[Hashable, RunningJob] = {}
         self._queues: dict[int, deque[RunningJob]] = {lane: deque() for lane in LANES}
         self._finished: deque[RunningJob] = deque()  # CPU: completed, in completion order
@@ -343,6 +377,9 @@ class TransferEngine:
         self.last_job_backend: str | None = None
         self.last_job_assignment: Assignment | None = None
 
+    def _build_streams(self, stream_priority: int) -> None:
+        """CUDA: one stream per lane (stores, loads, and the expedited loads at the
+        device's highest priority); none on the CPU path."""
         self._streams: dict[int, Any] = {}
         if self.cuda:
             self._streams = {
@@ -352,6 +389,10 @@ class TransferEngine:
             # A lower number is a higher priority; (lowest, highest) of this device.
             _, highest = torch.cuda.Stream.priority_range()
             self._streams[EXPEDITED_LOAD] = torch.cuda.Stream(device=self.device, priority=highest)
+
+    def _build_copiers(self, backend: str) -> None:
+        """The backend's copiers, compiled and warmed up now (never mid-serving), and
+        what checksum jobs compute."""
         self.copiers: dict[str, Copier] = {
             name: self._make_copier(name) for name in _BACKEND_COPIERS[backend]
         }
@@ -362,6 +403,12 @@ class TransferEngine:
             with torch.cuda.device(self.device):
                 triton.warm_up()
         self._set_up_checksums(triton)
+
+    def _build_policy(
+        self, backend: str, configured_crossover: Crossover | None, path_choice: PathChoice
+    ) -> None:
+        """Which copier moves each plane: a fixed backend, or the crossover (configured,
+        or calibrated now through this engine's own path)."""
         self.crossover: Crossover | None = None
         self.policy: PathPolicy
         if backend == "auto":
@@ -379,9 +426,6 @@ class TransferEngine:
             # The static tables were uploaded on the current stream; jobs run on the
             # transfer streams and may be submitted from any stream.
             torch.cuda.synchronize(self.device)
-        # An engine dropped without shutdown() still drains its streams before the
-        # pool's pages are unlocked.
-        self._finalizer = weakref.finalize(self, _release, list(self._streams.values()), self._pool)
 
     # ------------------------------------------------------------------ set-up
 
@@ -1017,8 +1061,7 @@ class TransferEngine:
         """
         # Every line that takes jobs off the books runs inside the try, and each takes
         # them in one assignment (an interrupt lands before it or after it): the handler
-        # puts back exactly what ``done`` holds. Before, the queues were emptied above the
-        # try, and an interrupt on the two lines between lost every job taken.
+        # puts back exactly what ``done`` holds, so no job taken off the books is lost.
         done: list[RunningJob] = []
         try:
             with self._lock:

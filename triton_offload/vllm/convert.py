@@ -107,8 +107,8 @@ def row_bytes_view(tensor: Any, name: str) -> torch.Tensor:
         raise ValueError(
             f"{name}.tensor has shape {tuple(tensor.shape)}; expected (num_blocks, ...)"
         )
-    # Before the view below: a 0-block tensor cannot be viewed as [0, -1] and used to be
-    # refused as non-contiguous; a meta tensor used to be refused as a device mismatch.
+    # Checked before the view below, so each is refused as what it is: a 0-block tensor
+    # cannot be viewed as [0, -1], and a meta tensor has no device memory to copy.
     check_cache_tensor(tensor, f"{name}.tensor")
     try:
         rows = tensor.view(tensor.size(0), -1)

@@ -142,6 +142,20 @@ with supported_vllm_api():
 check_vllm_internals()
 
 
+@dataclasses.dataclass(frozen=True)
+class _MappedWorker:
+    """What :meth:`TritonWorkerSide._map_worker` set up for one worker."""
+
+    region: Any
+    ledger: StoreLedger | None
+    engine: Any
+    sealer: PageSealer | None
+    cuda_api: Any
+    locked_bytes: int
+    map_seconds: float
+    lock_seconds: float
+
+
 class TritonWorkerSide:
     """The worker side shared by both specs: vLLM's region, this project's engine."""
 
@@ -437,43 +451,10 @@ class TritonWorkerSide:
 
     def create_worker(self, kv_caches: Any) -> TritonOffloadingWorker:
         self._check_tiers_on_one_node()
-        if not isinstance(kv_caches, CanonicalKVCaches):
-            raise TypeError(
-                f"get_worker needs vLLM's CanonicalKVCaches, got {type(kv_caches).__name__}"
-            )
-        num_groups = len(self.config.groups)
-        if len(kv_caches.group_data_refs) != num_groups:
-            raise ValueError(
-                f"kv_caches has {len(kv_caches.group_data_refs)} groups of refs but the "
-                f"OffloadingConfig has {num_groups} groups"
-            )
-        name = type(self).__name__
-        rank = int(self.config.parallel.rank)
+        num_groups = self._checked_caches(kv_caches)
         if num_groups == 0 or self.config.worker_kv_bytes_per_block == 0:
-            # vLLM's CPU spec counts no chunk and still builds a worker here.
-            logger.info(
-                "%s (triton_offload %s): worker rank %d has no KV cache bytes to offload "
-                "(%s): no host memory mapped",
-                name,
-                __version__,
-                rank,
-                "attention-free model" if num_groups == 0 else "worker_kv_bytes_per_block 0",
-            )
-            return TritonOffloadingWorker(
-                None,
-                num_groups=num_groups,
-                stage_groups=(),
-                blocks_per_chunk=self.blocks_per_chunk,
-                num_chunks=self.num_chunks,
-                device_planes=device_planes(kv_caches),
-            )
-        if self.num_chunks < 1:
-            raise ValueError(
-                f"cpu_bytes_to_use {self.extra_config.get('cpu_bytes_to_use')} holds no "
-                f"chunk of {self.config.worker_kv_bytes_per_block} bytes per block x "
-                f"{1 if self.replicated_layout else self.config.parallel.world_size} "
-                f"copies x {self.blocks_per_chunk} blocks; raise it"
-            )
+            return self._worker_without_bytes(kv_caches, num_groups)
+        self._check_capacity()
         if self.stock_rows:
             return self._canonical_worker(kv_caches)
         caches = caches_from_canonical(kv_caches)
@@ -485,27 +466,102 @@ class TritonWorkerSide:
         barrier = None
         if not self._tiering_region:
             barrier = self.region_barrier or default_barrier()
-        planes_note = None
-        if self._tiering_region:
-            # The scheduler names the tiers' storage after every worker's planes (it
-            # starts after the workers in vLLM's engine): two plane arrangements of one
-            # config never share a folder, a key prefix or a peer.
-            planes = [] if layout is None else layout.planes
-            stock = not self.sealed_pages and rows_are_stock(
-                [int(t.page_size_bytes) for t in kv_caches.tensors],
-                [
-                    (int(ref.tensor_idx), int(ref.page_size_bytes))
-                    for refs in kv_caches.group_data_refs
-                    for ref in refs
-                ],
-                [(p.pool_offset, p.page_bytes) for p in planes],
-                self.blocks_per_chunk,
+        planes_note = self._planes_note_for(kv_caches, layout)
+        mapped = self._map_worker(caches, layout, region_plan, barrier, planes_note)
+        self._log_worker_start(mapped, region_plan, stage, num_groups)
+        return TritonOffloadingWorker(
+            mapped.engine,
+            num_groups=num_groups,
+            stage_groups=stage,
+            blocks_per_chunk=self.blocks_per_chunk,
+            num_chunks=self.num_chunks,
+            region=mapped.region,
+            writer=region_plan.writer,
+            ledger=mapped.ledger,
+            cuda_api=mapped.cuda_api,
+            replicated_store_timeout_s=self.engine_options.replicated_store_timeout_s,
+            sealer=mapped.sealer,
+            planes_note=self._planes_note,
+            device_planes=device_planes(kv_caches),
+        )
+
+    def _checked_caches(self, kv_caches: Any) -> int:
+        """The number of offloaded groups, once ``kv_caches`` is vLLM's canonical caches
+        with one list of refs per group of the config."""
+        if not isinstance(kv_caches, CanonicalKVCaches):
+            raise TypeError(
+                f"get_worker needs vLLM's CanonicalKVCaches, got {type(kv_caches).__name__}"
             )
-            planes_note = (
-                (STOCK_ROWS if stock else OWN_ROWS)
-                + "\n"
-                + layout_description(planes, self.blocks_per_chunk)
+        num_groups = len(self.config.groups)
+        if len(kv_caches.group_data_refs) != num_groups:
+            raise ValueError(
+                f"kv_caches has {len(kv_caches.group_data_refs)} groups of refs but the "
+                f"OffloadingConfig has {num_groups} groups"
             )
+        return num_groups
+
+    def _worker_without_bytes(self, kv_caches: Any, num_groups: int) -> TritonOffloadingWorker:
+        """A worker with nothing to move (vLLM's CPU spec counts no chunk and still builds
+        a worker here): no host memory mapped."""
+        logger.info(
+            "%s (triton_offload %s): worker rank %d has no KV cache bytes to offload "
+            "(%s): no host memory mapped",
+            type(self).__name__,
+            __version__,
+            int(self.config.parallel.rank),
+            "attention-free model" if num_groups == 0 else "worker_kv_bytes_per_block 0",
+        )
+        return TritonOffloadingWorker(
+            None,
+            num_groups=num_groups,
+            stage_groups=(),
+            blocks_per_chunk=self.blocks_per_chunk,
+            num_chunks=self.num_chunks,
+            device_planes=device_planes(kv_caches),
+        )
+
+    def _check_capacity(self) -> None:
+        if self.num_chunks < 1:
+            raise ValueError(
+                f"cpu_bytes_to_use {self.extra_config.get('cpu_bytes_to_use')} holds no "
+                f"chunk of {self.config.worker_kv_bytes_per_block} bytes per block x "
+                f"{1 if self.replicated_layout else self.config.parallel.world_size} "
+                f"copies x {self.blocks_per_chunk} blocks; raise it"
+            )
+
+    def _planes_note_for(self, kv_caches: Any, layout: CacheLayout | None) -> str | None:
+        """Under the tiering spec, this worker's planes as the scheduler names the tiers'
+        storage after them (it starts after the workers in vLLM's engine): two plane
+        arrangements of one config never share a folder, a key prefix or a peer."""
+        if not self._tiering_region:
+            return None
+        planes = [] if layout is None else layout.planes
+        stock = not self.sealed_pages and rows_are_stock(
+            [int(t.page_size_bytes) for t in kv_caches.tensors],
+            [
+                (int(ref.tensor_idx), int(ref.page_size_bytes))
+                for refs in kv_caches.group_data_refs
+                for ref in refs
+            ],
+            [(p.pool_offset, p.page_bytes) for p in planes],
+            self.blocks_per_chunk,
+        )
+        return (
+            (STOCK_ROWS if stock else OWN_ROWS)
+            + "\n"
+            + layout_description(planes, self.blocks_per_chunk)
+        )
+
+    def _map_worker(
+        self,
+        caches: Any,
+        layout: CacheLayout | None,
+        region_plan: RegionPlan,
+        barrier: Any,
+        planes_note: str | None,
+    ) -> _MappedWorker:
+        """The region mapped (and its ledger, its page lock, the engine over it and the
+        sealer): all of it, or nothing left behind when a step fails."""
         started = time.perf_counter()
         region = create_worker_region(region_plan, barrier=barrier, tiering=self._tiering_region)
         ledger = None
@@ -516,6 +572,7 @@ class TritonWorkerSide:
             if planes_note is not None:
                 # Published once this worker holds the region (a start-up that fails
                 # before leaves no note; the except below withdraws a later failure's).
+                rank = int(self.config.parallel.rank)
                 self._planes_note = publish_planes(str(self.config.engine_id), rank, planes_note)
             if region_plan.replicated and region_plan.world_size > 1:
                 ledger = StoreLedger(region_plan.engine_id, region_plan.num_chunks, barrier)
@@ -539,6 +596,17 @@ class TritonWorkerSide:
             release_region(region, api_used)
             withdraw_planes(self._planes_note)
             raise
+        return _MappedWorker(
+            region, ledger, engine, sealer, api_used, locked, mapped - started, ready - mapped
+        )
+
+    def _log_worker_start(
+        self,
+        mapped: _MappedWorker,
+        region_plan: RegionPlan,
+        stage: tuple[int, ...],
+        num_groups: int,
+    ) -> None:
         role = (
             "writes replicated chunks"
             if region_plan.replicated and region_plan.writer
@@ -546,22 +614,23 @@ class TritonWorkerSide:
             if region_plan.replicated
             else f"owns page {region_plan.slot} of each chunk"
         )
+        engine = mapped.engine
         logger.info(
             "%s (triton_offload %s): worker rank %d %s; shared region %s: %d host chunks, "
             "row stride %d bytes, %d-byte pages; %.2f GiB mapped in %.3f s, %.2f GiB "
             "page-locked in %.3f s; %s; %s",
-            name,
+            type(self).__name__,
             __version__,
-            rank,
+            int(self.config.parallel.rank),
             role,
-            region.mmap_path,
+            mapped.region.mmap_path,
             region_plan.num_chunks,
             region_plan.row_stride,
             region_plan.cpu_page_size,
             region_plan.total_bytes / (1 << 30),
-            mapped - started,
-            locked / (1 << 30),
-            ready - mapped,
+            mapped.map_seconds,
+            mapped.locked_bytes / (1 << 30),
+            mapped.lock_seconds,
             "no layer of any group on this stage: nothing to move"
             if engine is None
             else f"offloads {len(engine.layout.planes)} planes of groups "
@@ -569,21 +638,6 @@ class TritonWorkerSide:
             f"({describe_paths(engine.policy, engine.layout)}), "
             f"{engine.row_bytes}-byte rows on {engine.device}",
             self.seal_note(),
-        )
-        return TritonOffloadingWorker(
-            engine,
-            num_groups=num_groups,
-            stage_groups=stage,
-            blocks_per_chunk=self.blocks_per_chunk,
-            num_chunks=self.num_chunks,
-            region=region,
-            writer=region_plan.writer,
-            ledger=ledger,
-            cuda_api=api_used,
-            replicated_store_timeout_s=self.engine_options.replicated_store_timeout_s,
-            sealer=sealer,
-            planes_note=self._planes_note,
-            device_planes=device_planes(kv_caches),
         )
 
     def _sealer(self, engine: Any, region: Any, region_plan: RegionPlan) -> PageSealer | None:

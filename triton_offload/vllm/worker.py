@@ -487,11 +487,9 @@ class TritonOffloadingWorker(RELEASE.SubmitSignatures, OffloadingWorker):  # typ
         Restartable at any line: the engine's results enter the worker's books in one
         line (``_pending``), each is judged without changing the books, its report is
         queued by one assignment, its counts are added (once), and only then does the
-        job leave the books. Before, the results were held by the loop alone and
-        ``_load_result`` / ``_seal_store`` took the job off the books first, so an
-        interrupt while sealing a store or verifying a load lost every job the engine had
-        handed over in that call; and the counters were added while judging, so an
-        interrupt after a job's counts and before its report counted it again.
+        job leave the books. Invariants: a job the engine handed over stays in the books
+        until its report is queued (an interrupt while sealing or verifying loses none),
+        and its counts are added once, with its report, never while judging.
         """
         if self.engine is None:
             return
@@ -572,9 +570,8 @@ class TritonOffloadingWorker(RELEASE.SubmitSignatures, OffloadingWorker):  # typ
         if self._replica_jobs:
             self._collect_replicas()
         # The hand-over: an interrupt on either line (the second's lands before its
-        # return) gave the caller nothing, so the books get every report back. Before,
-        # the one-line hand-over was followed by ``return results``: an interrupt there
-        # lost them all.
+        # return) gave the caller nothing, so the books get every report back: the
+        # reports leave the books only in the line that returns them.
         empty, ready = self._empty_jobs, self._ready
         try:
             self._empty_jobs, self._ready = [], {}
@@ -627,8 +624,8 @@ class TritonOffloadingWorker(RELEASE.SubmitSignatures, OffloadingWorker):  # typ
     def _settle_replicas(self) -> None:
         """At shutdown (non-writer): each store still waiting for rank 0 is reported with
         what the ledger says now, failed where rank 0 has not published it (this rank
-        can no longer learn of it). Before, they stayed in the books, never reported, and
-        a ``get_finished`` after shutdown read the closed ledger (AttributeError)."""
+        can no longer learn of it), so every job is reported once and nothing reads the
+        ledger after it is closed."""
         for job_id, (chunks, _) in list(self._replica_jobs.items()):
             self._report_replica(job_id, bool(self.ledger.status(chunks, int(job_id))))
 
