@@ -39,6 +39,7 @@ _SCHEDULER = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler"
 _CONNECTOR_WORKER = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker"
 _CONNECTOR = "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector"
 _METRICS = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics"
+_COMMON = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.common"
 _CPU_MANAGER = "vllm.v1.kv_offload.cpu.manager"
 _CPU_SPEC = "vllm.v1.kv_offload.cpu.spec"
 _REGION = "vllm.v1.kv_offload.cpu.shared_offload_region"
@@ -54,7 +55,8 @@ class Reliance:
     ``module`` and ``name`` (a dotted path inside the module: a function, a class
     attribute, or ``Class.attribute`` set in the class's ``__init__``), ``use`` (what
     this package does with it: ``overrides``, ``calls``, ``reads``, ``replaces``,
-    ``replaces on instances``, ``swaps the class of``, or ``adds``: a marker attribute set
+    ``replaces on instances``, ``swaps the class of``, ``reads field`` (a field of vLLM's
+    per-request state or job records), or ``adds``: a marker attribute set
     on vLLM's objects, checked to be unused by vLLM), ``params`` (the leading parameter
     names an override or a call depends on, ``self`` left out), ``returns`` (the return
     annotation as vLLM writes it, where the override must return the same), ``releases``
@@ -251,6 +253,52 @@ RELIANCES: tuple[Reliance, ...] = (
         "the evictable count drops with a removed bad chunk",
         instance=True,
     ),
+    # ---- fields read from vLLM's per-request state and job records
+    *(
+        Reliance(
+            _SCHEDULER,
+            f"RequestOffloadState.{field}",
+            "reads field",
+            "the planned lookup reads the request's state as vLLM's lookup does",
+        )
+        for field in (
+            "req",
+            "req_context",
+            "group_states",
+            "max_load_tokens",
+            "num_locally_computed_tokens",
+        )
+    ),
+    Reliance(
+        _SCHEDULER,
+        "RequestGroupState.offload_keys",
+        "reads field",
+        "the planned lookup reads each group's chunk keys",
+    ),
+    *(
+        Reliance(
+            _SCHEDULER,
+            f"TransferJobStatus.{field}",
+            "reads field",
+            "a failed job's keys and request are completed and excluded by them",
+        )
+        for field in ("keys", "req_id")
+    ),
+    *(
+        Reliance(
+            _COMMON,
+            f"TransferJob.{field}",
+            "reads field",
+            "the connector worker submits jobs (and layer-wise loads) from vLLM's records",
+        )
+        for field in ("req_id", "src_spec", "dst_spec", "sync")
+    ),
+    Reliance(
+        _COMMON,
+        "OffloadingConnectorMetadata.load_jobs",
+        "reads field",
+        "the connector worker's start of this step's loads",
+    ),
     # ---- vLLM's tiering manager: promoted chunks checked before they count
     Reliance(
         _TIERING_MANAGER,
@@ -347,6 +395,19 @@ def _problem(reliance: Reliance) -> str | None:
     except ImportError as error:
         return f"module {reliance.module} does not import ({error})"
     owner_path, _, attribute = reliance.name.rpartition(".")
+    if reliance.use == "reads field":
+        # A field of vLLM's dataclass (or slots, or annotated attribute) it reads.
+        try:
+            owner = _resolve(module, owner_path)
+        except AttributeError:
+            return f"{owner_path} is missing"
+        names: set[str] = set(getattr(owner, "__dataclass_fields__", {}))
+        for klass in getattr(owner, "__mro__", ()):
+            names.update(getattr(klass, "__annotations__", {}))
+            names.update(getattr(klass, "__slots__", ()))
+        if attribute not in names:
+            return f"{owner_path} has no field {attribute}"
+        return None
     if reliance.use == "adds":
         # A marker this package sets on vLLM's objects: vLLM must not use the name.
         try:
