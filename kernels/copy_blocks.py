@@ -112,10 +112,21 @@ PCIE_IN_FLIGHT_TARGET_BYTES = 256 * 1024
 # Programs one SM may hold for small mean tiles. One per SM capped the grid at 132 on an
 # H100, i.e. ~132 KiB in flight at 1 KiB tiles and ~66 KiB at 512 B, below the ~110 KB
 # PCIe needs. Two per SM reach 264 programs (1 KiB tiles: the full 256 KiB; 512 B tiles:
-# 135 KB) while each SM keeps most of its resources for the forward pass: a program is
-# 4 warps of ~72 registers per thread (ptxas, Triton 3.6), so two take 8 of 64 warp
-# slots and ~18 K of 64 K registers, whereas four would take over half the register
-# file, enough to keep a 256-thread, 128-register GEMM block off the SM.
+# 135 KB) while each SM keeps most of its resources for the forward pass. The budget:
+# two programs (8 of 64 warp slots) hold at most half of the 64 K-register file, so a
+# 256-thread, 128-register GEMM block still fits beside them. Registers per thread, from
+# `python -m triton_offload.bench.kernel_resources --target sm_90` (Triton 3.9, no spills;
+# x 128 threads x 2 programs in brackets):
+#
+#   tile      plain         checksum       read-only checksum
+#   4 KiB     64 (16 K)     80 (20 K)      72 (18 K)
+#   8 KiB     71 (18 K)     80 (20 K)      80 (20 K)     <- TILE_BYTES, every variant
+#   16 KiB    93 (24 K)     128 (32 K)     122 (31 K)
+#
+# Every variant at the default tile keeps under a third of the file; at 16 KiB tiles
+# (a grid-sweep point only) the checksum variants reach the half-file budget itself: a
+# grid that picks 16 KiB must be judged with checksums off, and four programs per SM
+# would break the budget at any tile.
 MAX_PROGRAMS_PER_SM = 2
 # The interpreter runs programs one after another; a few programs still exercise the
 # grid-stride walk (items owned by several programs, group boundaries mid-stride).
