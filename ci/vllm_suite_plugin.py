@@ -5,7 +5,15 @@ comes from ``TRITON_OFFLOAD_SUITE_MODE``:
 
 - ``connector``: vLLM's ``OffloadingConnector`` and ``OffloadingConnectorScheduler`` are
   ``TritonOffloadingConnector`` and its scheduler (by factory name and module attribute),
-  so every scheduler test runs the planner's lookups.
+  so every scheduler test runs the planner's lookups. Some of vLLM's scheduler tests
+  replace vLLM's private ``_maximal_prefix_lookup`` on the connector scheduler with a
+  stub claiming a hit (``lambda keys, ctx, *_: 1``) while their mock manager answers
+  MISS for every key: vLLM's scheduler believes the stub, this project's connector asks
+  the manager (it never loads a chunk the manager does not say it holds) and so loads
+  nothing. The stub and the mock disagree, so here they are made to agree: vLLM's method
+  becomes a descriptor (``_ConsistentPrefixStub``) that, when a test assigns a stub,
+  keeps the stub and has the mock manager's ``lookup`` answer as it did (HIT for the
+  keys it counted, MISS for the others it was handed).
 - ``spec``: vLLM's ``CPUOffloadingSpec`` and ``TieringOffloadingSpec`` are
   ``TritonOffloadingSpec`` and ``TritonTieringOffloadingSpec`` (by factory name and
   module attribute), so every spec a test builds moves bytes through this project.
@@ -23,7 +31,10 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+from unittest import mock
 
 import pytest
 from vllm_cpu_platform import allow_x86_cpu_without_triton
@@ -63,6 +74,53 @@ def expected_failures(mode: str) -> dict[str, str]:
     return found
 
 
+class _ConsistentPrefixStub:
+    """Stands for vLLM's ``OffloadingConnectorScheduler._maximal_prefix_lookup``.
+
+    Read, it is vLLM's method (or the stub a test assigned to the instance). Assigned
+    (``scheduler._maximal_prefix_lookup = stub``), it keeps a wrapper of the stub that
+    records, for every call, the stub's answer per key: the first ``hits`` keys it was
+    handed HIT, the rest MISS. The scheduler's mock manager (``MagicMock``, left as the
+    test built it otherwise) answers ``lookup`` from that record, falling back to its own
+    ``return_value``; a ``side_effect`` the test set itself is left alone. Why: the stub
+    claims chunks the mock manager denies, and this project's connector loads only what
+    the manager confirms.
+    """
+
+    _STUB = "_vllm_suite_prefix_stub"
+    _ANSWERS = "_vllm_suite_prefix_answers"
+
+    def __init__(self, method: Callable[..., Any]) -> None:
+        self.method = method
+
+    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+        if instance is None:
+            return self.method  # OffloadingConnectorScheduler._maximal_prefix_lookup(s, ...)
+        stub = instance.__dict__.get(self._STUB)
+        return stub if stub is not None else self.method.__get__(instance, owner)
+
+    def __set__(self, instance: Any, stub: Callable[..., Any]) -> None:
+        from vllm.v1.kv_offload.base import LookupResult
+
+        answers: dict[Any, Any] = instance.__dict__.setdefault(self._ANSWERS, {})
+        lookup = getattr(getattr(instance, "manager", None), "lookup", None)
+        if isinstance(lookup, mock.NonCallableMock) and lookup.side_effect is None:
+            lookup.side_effect = lambda key, req_context: answers.get(key, mock.DEFAULT)
+
+        def stubbed(keys: Any, req_context: Any, *args: Any) -> Any:
+            keys = list(keys)
+            hits = stub(keys, req_context, *args)
+            if hits is not None:  # None: deferred, nothing claimed
+                for index, key in enumerate(keys):
+                    answers[key] = LookupResult.HIT if index < hits else LookupResult.MISS
+            return hits
+
+        instance.__dict__[self._STUB] = stubbed
+
+    def __delete__(self, instance: Any) -> None:
+        instance.__dict__.pop(self._STUB, None)
+
+
 def _substitute_connector() -> None:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1 import offloading_connector
@@ -73,6 +131,10 @@ def _substitute_connector() -> None:
         TritonOffloadingConnectorScheduler,
     )
 
+    vllm_scheduler = scheduler.OffloadingConnectorScheduler  # vLLM's, before the swap below
+    vllm_scheduler._maximal_prefix_lookup = _ConsistentPrefixStub(
+        vllm_scheduler._maximal_prefix_lookup
+    )
     scheduler.OffloadingConnectorScheduler = TritonOffloadingConnectorScheduler
     offloading_connector.OffloadingConnectorScheduler = TritonOffloadingConnectorScheduler
     offloading_connector.OffloadingConnector = TritonOffloadingConnector
