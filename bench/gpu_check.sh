@@ -325,24 +325,24 @@ log "--- steps (setup took $((SECONDS - start)) s; budget left $(remaining) s)"
 pack
 
 # --- 1. the CUDA tests: one process per file ---------------------------------------------
-# Every test file with CUDA tests that run without vLLM (tests/test_gpu_check.py keeps
+# Every test file with CUDA tests that run without vLLM (tests/bench/test_gpu_check.py keeps
 # this list complete), the most telling first, with the most seconds its process may
 # take and pytest-timeout's limit per test (0: the file's own limit less 5 s, for a file
 # that is one long test). pytest-timeout's thread method ends a hung process after
 # printing every thread's stack, even inside a CUDA call no signal interrupts; the
 # process's `timeout` is the backstop when the plugin is absent.
 cuda_test_files=(
-  "tests/test_engine_cuda.py 45 30"
-  "tests/test_copy_kernel_cuda.py 25 20"
-  "tests/test_engine_expedited.py 20 15"
-  "tests/test_kernel_specialization.py 25 20"
-  "tests/test_bench_cuda.py 40 0"
+  "tests/transfer/test_engine_cuda.py 45 30"
+  "tests/kernels/test_copy_blocks_cuda.py 25 20"
+  "tests/transfer/test_engine_expedited.py 20 15"
+  "tests/kernels/test_copy_blocks_specialization.py 25 20"
+  "tests/bench/test_harness_cuda.py 40 0"
   "bench/suites/bench_kernel_tables.py 20 15"
   "bench/suites/bench_seal.py 40 30"
   "bench/suites/bench_layerwise.py 30 25"
 )
 if [ -n "${GPU_CHECK_TEST_FILES:-}" ]; then
-  # Entries "FILE CAP PER_TEST" separated by ';' (tests/test_gpu_check.py hangs one).
+  # Entries "FILE CAP PER_TEST" separated by ';' (tests/bench/test_gpu_check.py hangs one).
   IFS=';' read -r -a cuda_test_files <<<"$GPU_CHECK_TEST_FILES"
 fi
 pytest_opts=(-p no:cacheprovider -o addopts= -rA -v -m cuda)

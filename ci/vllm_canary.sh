@@ -101,11 +101,11 @@ fi
 cat "$log/registry.txt"
 
 limit=${CANARY_TEST_TIMEOUT:-3600}
-echo "vllm_canary: 3/3 the project's vLLM tests (pytest tests -k \"vllm or fault or interrupt or tiers\"," \
+echo "vllm_canary: 3/3 the project's vLLM tests (pytest tests -k \"vllm or fault or interrupt or tiers or pointers\"," \
   "at most $limit s; failures are printed as they happen, everything is in $shown_log/pytest.txt)"
 # -v: each test's name is written when it starts, so a hung or killed run still names the
 # tests that failed and the one it was in.
-timeout --kill-after=30 "$limit" python -m pytest tests -k "vllm or fault or interrupt or tiers" \
+timeout --kill-after=30 "$limit" python -m pytest tests -k "vllm or fault or interrupt or tiers or pointers" \
   -v -rfE -p no:cacheprovider --continue-on-collection-errors 2>&1 |
   tee "$log/pytest.txt" |
   grep --line-buffered -E '^tests/.* (FAILED|ERROR)( |$)|^(FAILED|ERROR) |^=+ .* in [0-9.]+s'

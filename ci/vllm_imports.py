@@ -31,7 +31,7 @@ MODULES = (
     "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler",
     "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector",
     "vllm.v1.core.sched.scheduler",
-    # What the tests take besides (tests/vllm_engine.py, tests/tier_peers.py and others).
+    # What the tests take besides (tests/helpers/vllm_engine.py, tier_peers.py and others).
     "vllm.sampling_params",
     "vllm.forward_context",
     "vllm.plugins",

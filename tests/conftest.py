@@ -15,9 +15,9 @@ import pytest
 
 @pytest.fixture
 def engines() -> Iterator[list[Any]]:
-    """The ``tests/vllm_engine.py`` engines a test made, each closed after the test.
+    """The ``tests/helpers/vllm_engine.py`` engines a test made, each closed after the test.
 
-    A module whose engines are of another kind (``tests/test_vllm_engine_real.py``)
+    A module whose engines are of another kind (``tests/system/test_vllm_engine_real.py``)
     defines its own ``engines``, which overrides this one there."""
     made: list[Any] = []
     yield made

@@ -105,7 +105,7 @@ class GroupPlan:
             # A hit inside a chunk loads the block of the first recomputed token, so
             # that chunk is read even when the attention reaches no token before it:
             # vLLM 0.33 loads every allocated block up to that one, and asserts when
-            # its chunk is not a whole one of the prompt (tests/test_vllm_hit_rule.py).
+            # its chunk is not a whole one of the prompt (tests/vllm/test_connector_hit_rule.py).
             lo = min(lo, top - 1)
         return max(0, min(lo, top)), top
 

@@ -30,7 +30,7 @@ MODULE_PATH = "triton_offload.vllm"
 #: The top-level ``kv_connector_extra_config`` keys vLLM's offloading code reads, per
 #: supported release (its CPU and tiering specs, the spec factory, the offloading
 #: connector's config and scheduler). A secondary tier's own keys sit inside its
-#: ``secondary_tiers`` entry and are not listed. ``tests/test_vllm_options.py`` scans the
+#: ``secondary_tiers`` entry and are not listed. ``tests/vllm/test_options.py`` scans the
 #: installed vLLM for the keys it reads and fails when a release adds one.
 _VLLM_KEYS_0_33 = (
     "backpressure",

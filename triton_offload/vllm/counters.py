@@ -132,7 +132,7 @@ _LABEL_VALUES: dict[str, Any] = {
 }
 
 #: Seal problems (``triton_offload.transfer.seal``) by reason: the first phrase found in
-#: the problem's text names it. ``tests/test_vllm_counters.py`` makes each problem.
+#: the problem's text names it. ``tests/vllm/test_counters.py`` makes each problem.
 _REASON_PHRASES = (
     ("failed to read", "read"),
     ("payload checksum mismatch", "checksum"),

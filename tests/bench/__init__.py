@@ -1,0 +1,1 @@
+"""Tests of bench/ (triton_offload.bench): test_<module>.py for each module."""

@@ -1,0 +1,308 @@
+"""bench/gpu_check.sh on a CPU-only machine: its --dry-run runs every step (the CUDA
+tests skip, the bench runs one tiny case) through the import shim, with the installed
+package hidden, and leaves at most 8 files in the output folder. Its plan fits the GPU
+slot (360 s by default), every CUDA test file that runs without vLLM is in it, a hung
+test file is killed without taking the step with it, and the test tree collects
+without vLLM."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import sysconfig
+import tarfile
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "bench" / "gpu_check.sh"
+OUTPUTS = {
+    "summary.txt",
+    "gpu-tests.xml",
+    "gpu-tests.log",
+    "presets-report.md",
+    "sweep-report.md",
+    "presets-bandwidth.png",
+    "sweep-bandwidth.png",
+    "details.tar.gz",
+}
+
+
+#: Step order of the check: the answers worth most first.
+STEPS = ("setup", "gpu-tests", "facts", "presets", "grid-sweep", "sweep", "summary")
+#: The GPU slot: 15 minutes for the machine's start, the check and one rerun.
+MAX_DEFAULT_BUDGET = 360
+
+
+def _run(
+    tmp_path: Path, *args: str, budget: int | None = None, env_extra: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    # A python that sees the environment's packages but not their .pth files: the
+    # editable install of this package is invisible, so only the shim can import it.
+    wrapper = tmp_path / "python-without-site"
+    site = sysconfig.get_paths()["purelib"]
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        f'export PYTHONPATH="${{PYTHONPATH:+$PYTHONPATH:}}{site}"\n'
+        f'exec "{sys.executable}" -S "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET")}
+    env.update(PYTHON=str(wrapper), TMPDIR=str(tmp_path))
+    if budget is not None:
+        env["GPU_CHECK_BUDGET"] = str(budget)
+    env.update(env_extra or {})
+    return subprocess.run(
+        ["bash", str(SCRIPT), *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=320,
+    )
+
+
+def _plan(text: str, label: str) -> tuple[list[tuple[str, int]], int, int]:
+    """(steps with caps, their sum, the budget) of the plan line labelled ``label``."""
+    match = re.search(rf"^plan \({re.escape(label)}, budget (\d+) s\): (.*) = (\d+) s$", text, re.M)
+    assert match, text
+    steps = [(name, int(cap)) for name, cap in re.findall(r"([\w-]+) (\d+) s", match.group(2))]
+    return steps, int(match.group(3)), int(match.group(1))
+
+
+def test_default_plan_fits_the_gpu_slot(tmp_path: Path) -> None:
+    done = _run(tmp_path, str(tmp_path / "out"), "--plan")
+    assert done.returncode == 0, done.stderr
+    steps, total, budget = _plan(done.stdout, "GPU run, default")
+    assert budget <= MAX_DEFAULT_BUDGET
+    assert total <= budget
+    assert tuple(name for name, _ in steps) == STEPS
+    assert sum(cap for _, cap in steps) == total
+    dry_steps, dry_total, dry_budget = _plan(done.stdout, "dry run, default")
+    assert tuple(name for name, _ in dry_steps) == STEPS and dry_total <= dry_budget
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+CUDA_MARK = re.compile(r"^(pytestmark = pytest\.mark\.cuda|\s*@pytest\.mark\.cuda)\b", re.M)
+
+
+def _needs_vllm(path: Path) -> bool:
+    text = path.read_text()
+    return bool(re.search(r"^\s*(from|import) (vllm|triton_offload\.vllm)\b", text, re.M))
+
+
+def test_every_cuda_test_file_that_runs_without_vllm_is_checked() -> None:
+    listed = re.findall(r'^  "([\w/.]+\.py) \d+ \d+"$', SCRIPT.read_text(), re.M)
+    marked = {
+        str(path.relative_to(ROOT))
+        for folder in ("tests", "bench/suites")
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        if CUDA_MARK.search(path.read_text()) and not _needs_vllm(path)
+    }
+    assert "tests/transfer/test_engine_expedited.py" in marked
+    assert "tests/kernels/test_copy_blocks_specialization.py" in marked
+    assert set(listed) == marked
+    assert len(listed) == len(set(listed))
+    # The first file is the engine's: pinned pool, streams, DMA, calibration.
+    assert listed[0] == "tests/transfer/test_engine_cuda.py"
+
+
+def test_script_parses_and_refuses_bad_arguments(tmp_path: Path) -> None:
+    subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
+    assert _run(tmp_path).returncode != 0  # no output folder
+    refused = _run(tmp_path, str(tmp_path / "out"), "--fast")
+    assert refused.returncode == 2 and "usage" in refused.stderr
+
+
+def test_dry_run_runs_every_step_through_the_shim(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    done = _run(tmp_path, str(out), "--dry-run")
+    summary = (out / "summary.txt").read_text()
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "using the shim" in summary
+    assert f"kernels {tmp_path}" in summary  # the kernels came from the shim's tree
+    # The step order and the time budget, of the GPU run and of this dry run.
+    _, gpu_total, gpu_budget = _plan(summary, "GPU run, default")
+    assert gpu_total <= gpu_budget <= MAX_DEFAULT_BUDGET
+    _, dry_total, dry_budget = _plan(summary, "this dry run")
+    assert dry_total <= dry_budget
+    positions = [summary.index(f"\n{name:<16} rc=0 ") for name in STEPS[1:-1]]
+    assert positions == sorted(positions), summary  # run in the plan's order
+    wall = int(re.search(r"^wall (\d+) s of (\d+) s; exit 0$", summary, re.M).group(1))
+    assert wall <= dry_budget
+    for file in ("tests/transfer/test_engine_cuda.py", "tests/transfer/test_engine_expedited.py"):
+        assert re.search(rf"^  {re.escape(file)} rc=0 \d+ s$", summary, re.M), summary
+    assert "calibration     not run: needs CUDA" in summary
+    assert "kernel: not compiled: no CUDA device here" in summary
+    # The launch-grid sweep ran (interpreted) and the summary states what it would pick.
+    assert "grid sweep picks num_programs=" in summary
+    assert "choice per-plane vs per-job: not run (needs CUDA copy engines)" in summary
+    files = {p.name for p in out.iterdir()}
+    assert files == OUTPUTS and len(files) <= 8
+    merged = ET.parse(out / "gpu-tests.xml").getroot()
+    assert merged.tag == "testsuites"
+    assert {suite.get("name") for suite in merged} >= {"test_engine_cuda", "test_engine_expedited"}
+    assert int(merged.get("tests", 0)) > 0 and int(merged.get("skipped", 0)) > 0
+    assert merged.get("failures") == "0" and merged.get("errors") == "0"
+    assert "## " in (out / "presets-report.md").read_text()
+    with tarfile.open(out / "details.tar.gz") as archive:
+        names = set(archive.getnames())
+        assert {"./versions.txt", "./install.log", "./nvidia-smi.txt"} <= names
+        assert {"./grid-sweep/grid-sweep.json", "./grid-sweep/grid-sweep.txt"} <= names
+        assert "./grid-sweep/grid-sweep.jsonl" in names  # the points, as measured
+        facts = {"./facts/info-calibrate.txt", "./facts/kernel-resources.txt", "./facts/env.txt"}
+        assert facts <= names
+        assert "./junit/test_engine_cuda.xml" in names
+        env = archive.extractfile("./facts/env.txt").read().decode()
+        assert "--- pip list" in env and "ulimit -l" in env
+        assert not any(name.startswith("./shim") for name in names)
+        for bench in ("presets", "sweep"):
+            results = json.load(archive.extractfile(f"./{bench}/results.json"))
+            assert results["config"]["max_seconds"] >= 1
+            assert results["measurements"]
+            assert all(m["status"] != "FAILED" for m in results["measurements"])
+    assert not any(p.name.startswith("gpu_check.") for p in tmp_path.iterdir())  # cleaned up
+
+
+@pytest.mark.parametrize("budget", [12])
+def test_spent_budget_skips_steps_and_still_reports(tmp_path: Path, budget: int) -> None:
+    out = tmp_path / "out"
+    done = _run(tmp_path, str(out), "--dry-run", budget=budget)
+    assert done.returncode == 1
+    summary = (out / "summary.txt").read_text()
+    for name in STEPS[1:-1]:
+        assert f"\n{name:<16} skipped " in summary, summary
+    assert "budget spent" in summary
+    assert (out / "details.tar.gz").stat().st_size > 0
+
+
+def test_a_hung_test_file_is_killed_and_reported(tmp_path: Path) -> None:
+    """A file whose process never returns (a hung synchronize looks the same from
+    outside) is killed at its limit; the next file still runs, the merged XML counts
+    the killed file as an error, and the step fails."""
+    hung = tmp_path / "test_hung_probe.py"
+    # Deaf to SIGINT, as a process inside a CUDA call is: only the KILL ends it.
+    hung.write_text(
+        "import signal\nimport time\n\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        "time.sleep(600)\n"
+    )
+    files = f"{hung} 12 0;tests/transfer/test_engine_expedited.py 30 20"
+    out = tmp_path / "out"
+    done = _run(
+        tmp_path, str(out), "--dry-run", budget=75, env_extra={"GPU_CHECK_TEST_FILES": files}
+    )
+    summary = (out / "summary.txt").read_text()
+    assert done.returncode == 1, summary
+    assert re.search(
+        rf"^  {re.escape(str(hung))} rc=137 \d+ s HUNG: no stop within 5 s of SIGINT at its "
+        r"12 s cap; killed$",
+        summary,
+        re.M,
+    ), summary
+    assert re.search(r"^  tests/transfer/test_engine_expedited.py rc=0 \d+ s$", summary, re.M), (
+        summary
+    )
+    assert "\ngpu-tests        rc=1 " in summary
+    merged = ET.parse(out / "gpu-tests.xml").getroot()
+    killed = [s for s in merged if s.get("name") == "test_hung_probe"]
+    assert any(s.get("errors") == "1" for s in killed)
+    assert int(merged.get("errors")) >= 1
+
+
+def test_cuda_tests_collect_without_vllm(tmp_path: Path) -> None:
+    """`pytest -m cuda` on a machine without vLLM: the vLLM test files skip with a
+    reason instead of failing to collect (vLLM is hidden by a plugin here)."""
+    plugin = tmp_path / "hide_vllm.py"
+    plugin.write_text("import sys\n\nsys.modules['vllm'] = None  # import vllm -> ImportError\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(tmp_path)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "hide_vllm",
+            "-m",
+            "cuda",
+            "--co",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-rs",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "error" not in done.stdout.splitlines()[-1].lower(), done.stdout[-2000:]
+    assert "tests/transfer/test_engine_cuda.py::" in done.stdout
+
+
+def test_a_file_over_its_cap_is_slow_not_failed(tmp_path: Path) -> None:
+    """On a loaded machine a test file can outlast its cap without anything being wrong
+    (its collection alone took 13 s): stopped at the cap, it is reported SLOW and does
+    not fail the check, and neither do the files its overrun left no time for. Only
+    the gpu-tests step runs (GPU_CHECK_STEPS), under a cap made small (GPU_CHECK_CAPS)."""
+    slow = tmp_path / "test_slow_probe.py"
+    # Slow, not hung: the import sleeps, and SIGINT stops it as it stops pytest.
+    slow.write_text("import time\n\ntime.sleep(600)\n")
+    files = f"{slow} 12 0;tests/transfer/test_engine_expedited.py 30 20"
+    out = tmp_path / "out"
+    env = {"GPU_CHECK_TEST_FILES": files, "GPU_CHECK_STEPS": "gpu-tests"}
+    done = _run(
+        tmp_path, str(out), "--dry-run", env_extra={**env, "GPU_CHECK_CAPS": "gpu-tests=20"}
+    )
+    summary = (out / "summary.txt").read_text()
+    assert done.returncode == 0, summary
+    assert re.search(
+        rf"^  {re.escape(str(slow))} rc=124 \d+ s SLOW: exceeded its 12 s cap$", summary, re.M
+    ), summary
+    assert re.search(
+        r"^  tests/transfer/test_engine_expedited.py not run: SLOW, the step's 20 s cap was spent$",
+        summary,
+        re.M,
+    ), summary
+    assert re.search(
+        r"^gpu-tests +rc=0 +\d+ s  SLOW: step gpu-tests spent its 20 s cap \(1 file\(s\) not run",
+        summary,
+        re.M,
+    )
+    for name in ("facts", "presets", "grid-sweep", "sweep"):
+        assert re.search(rf"^{name} +not selected \(GPU_CHECK_STEPS\)", summary, re.M), summary
+    assert re.search(r"^slow: gpu-tests \(exceeded their caps; not failures\)$", summary, re.M)
+    assert re.search(r"^wall \d+ s of \d+ s; exit 0$", summary, re.M), summary
+    merged = ET.parse(out / "gpu-tests.xml").getroot()
+    assert merged.get("failures") == "0" and merged.get("errors") == "0"
+
+
+def test_a_failing_file_still_fails_the_check(tmp_path: Path) -> None:
+    """Slowness is forgiven, a wrong result is not: a file that errors fails the step."""
+    broken = tmp_path / "test_broken_probe.py"
+    broken.write_text("raise RuntimeError('wrong bytes in the probe')\n")
+    out = tmp_path / "out"
+    env = {"GPU_CHECK_TEST_FILES": f"{broken} 30 0", "GPU_CHECK_STEPS": "gpu-tests"}
+    done = _run(tmp_path, str(out), "--dry-run", env_extra=env)
+    summary = (out / "summary.txt").read_text()
+    assert done.returncode == 1, summary
+    assert re.search(rf"^  {re.escape(str(broken))} rc=2 \d+ s$", summary, re.M), summary
+    assert re.search(r"^gpu-tests +rc=1 ", summary, re.M) and "SLOW" not in summary
+    assert re.search(r"^wall \d+ s of \d+ s; exit 1$", summary, re.M), summary
+
+
+def test_caps_and_steps_from_the_environment_are_checked(tmp_path: Path) -> None:
+    for env, named in (
+        ({"GPU_CHECK_CAPS": "gpu-tests=fast"}, "GPU_CHECK_CAPS: 'gpu-tests=fast'"),
+        ({"GPU_CHECK_CAPS": "warp-drive=10"}, "GPU_CHECK_CAPS: unknown step 'warp-drive'"),
+        ({"GPU_CHECK_STEPS": "gpu-tests,tea"}, "GPU_CHECK_STEPS: unknown step 'tea'"),
+    ):
+        done = _run(tmp_path, str(tmp_path / "out"), "--dry-run", env_extra=env)
+        assert done.returncode == 2 and named in done.stderr, (env, done.stderr)

@@ -1,0 +1,1 @@
+"""Shared set-up the tests import (judges, harnesses, builders); never a test module."""

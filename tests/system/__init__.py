@@ -1,0 +1,1 @@
+"""Behavioural suites across the layers (faults, interrupts, real engine and tiers, docs)."""

@@ -1,0 +1,1 @@
+"""Tests of triton_offload/transfer: test_<module>.py for each module."""

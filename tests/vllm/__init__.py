@@ -1,0 +1,1 @@
+"""Tests of triton_offload/vllm: test_<module>.py for each module."""
