@@ -12,6 +12,7 @@ quarantined key by the scheduler, and the payloads reach Prometheus under these 
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 from typing import Any
@@ -272,13 +273,34 @@ def test_a_corrupt_chunk_is_counted_where_it_is_decided(engine: Any) -> None:
     assert _totals(engine.connector_stats) == totals
 
 
-def test_prometheus_gets_no_counter_that_was_never_counted(engine: Any) -> None:
+def test_health_counters_are_zero_from_the_first_scrape_and_the_rest_absent(
+    engine: Any,
+) -> None:
+    """What a healthy fleet charts exists before anything happened, at 0: refused chunks
+    for every reason and tier (the host region and each configured secondary tier),
+    quarantined keys per tier, failed loads and stores. Copy traffic appears once counted."""
+    prom = _Prom()
+    config = copy.deepcopy(engine.vllm_config)
+    extra = config.kv_transfer_config.kv_connector_extra_config
+    extra["secondary_tiers"] = [{"type": "fs", "root": "/nowhere"}, {"type": "obj"}]
+    _prom_metrics(prom, config)
+    for tier in ("host", "fs", "obj"):
+        for reason in c.REASONS:
+            assert prom.value(c.CHUNKS_REFUSED, engine="0", reason=reason, tier=tier) == 0
+        assert prom.value(c.KEYS_QUARANTINED, engine="0", tier=tier) == 0
+    assert prom.value(c.LOADS_FAILED, engine="0") == 0
+    assert prom.value(c.STORES_FAILED, engine="0") == 0
+    assert prom.value(c.CHUNKS_REFUSED, engine="0", reason="checksum", tier="p2p") is None
+    assert prom.value(c.BYTES, engine="0", path="torch", direction="store") is None
+
+
+def test_observed_counts_add_to_the_series_made_at_start_up(engine: Any) -> None:
     prom = _Prom()
     metrics = _prom_metrics(prom, engine.vllm_config)
     metrics.observe(OffloadingConnectorStats().to_dict(), 0)
     metrics.observe(_worker_payload(0, 10).to_dict(), 0)
     assert prom.value(c.BYTES, engine="0", path="torch", direction="store") == 10
-    assert prom.value(c.LOADS_FAILED, engine="0") is None
+    assert prom.value(c.LOADS_FAILED, engine="0") == 0
 
 
 # ------------------------------------------------------------------- reasons and paths

@@ -277,6 +277,30 @@ def split_payload(
     return ours, rest.data
 
 
+def health_tiers(vllm_config: Any) -> tuple[str, ...]:
+    """The ``tier`` labels a refused chunk can carry on this engine: the host region and
+    each configured secondary tier's type."""
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    extra = getattr(transfer, "kv_connector_extra_config", None) or {}
+    tiers = [HOST_TIER]
+    for tier in extra.get("secondary_tiers") or ():
+        kind = tier.get("type") if isinstance(tier, Mapping) else None
+        if isinstance(kind, str) and kind and kind not in tiers:
+            tiers.append(kind)
+    return tuple(tiers)
+
+
+def health_series(tiers: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """``(counter, *label values)`` of every series a healthy fleet keeps at 0: refused
+    chunks per reason and tier, quarantined keys per tier, failed loads and stores."""
+    series: list[tuple[str, ...]] = [
+        (CHUNKS_REFUSED, reason, tier) for reason in REASONS for tier in tiers
+    ]
+    series += [(KEYS_QUARANTINED, tier) for tier in tiers]
+    series += [(LOADS_FAILED,), (STORES_FAILED,)]
+    return series
+
+
 class TritonPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
     """The connector's Prometheus metrics: :data:`COUNTERS` as counters of vLLM's metric
     classes (``engine`` and model labels first, as vLLM's own), and ``inner`` (vLLM's
@@ -302,6 +326,12 @@ class TritonPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
             for spec in COUNTERS.values()
         }
         self._children: dict[tuple[int, str, tuple[str, ...]], Any] = {}
+        # The health counters a fleet charts exist from the first scrape, at 0: a
+        # dashboard shows 0, not "no data", until something goes wrong.
+        tiers = health_tiers(vllm_config)
+        for engine_idx in per_engine_labelvalues:
+            for labelvalues in health_series(tiers):
+                self._child(engine_idx, labelvalues[0], labelvalues[1:])
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         ours, rest = split_payload(transfer_stats_data)
@@ -309,13 +339,17 @@ class TritonPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
             self.inner.observe(rest, engine_idx)
         for name, series in ours.items():
             for labelvalues, value in series.items():
-                key = (engine_idx, name, tuple(labelvalues))
-                child = self._children.get(key)
-                if child is None:
-                    engine_labels = list(self.per_engine_labelvalues[engine_idx])
-                    child = self._counters[name].labels(*engine_labels, *labelvalues)
-                    self._children[key] = child
-                child.inc(value)
+                self._child(engine_idx, name, tuple(labelvalues)).inc(value)
+
+    def _child(self, engine_idx: int, name: str, labelvalues: tuple[str, ...]) -> Any:
+        """The counter ``name``'s series for one engine and label values (made at 0)."""
+        key = (engine_idx, name, labelvalues)
+        child = self._children.get(key)
+        if child is None:
+            engine_labels = list(self.per_engine_labelvalues[engine_idx])
+            child = self._counters[name].labels(*engine_labels, *labelvalues)
+            self._children[key] = child
+        return child
 
 
 __all__ = [
@@ -336,6 +370,8 @@ __all__ = [
     "CounterSpec",
     "Counters",
     "TritonPromMetrics",
+    "health_series",
+    "health_tiers",
     "refusal_reason",
     "split_payload",
     "stats_of",
