@@ -385,8 +385,9 @@ def _triton(report: dict[str, Any], step: str, name: str, **labels: str) -> floa
 @pytest.mark.slow
 def test_this_backends_counters_reach_get_metrics(engines: Engines) -> None:
     """``LLM.get_metrics()`` (stats logging on) shows the ``vllm:triton_offload_*``
-    counters: each copy path's jobs and bytes; after a corrupted host region, the chunks
-    refused (reason, tier), the keys quarantined and the failed loads. In this process
+    counters: each copy path's jobs and bytes; the health counters at 0 from start-up;
+    after a corrupted host region, the chunks refused (reason, tier), the keys
+    quarantined and the failed loads. In this process
     (llama-recompute) and from an EngineCore process (llama-connector)."""
     report = engines.get("llama-recompute")
     assert report["corrupted"] > 0
@@ -401,7 +402,11 @@ def test_this_backends_counters_reach_get_metrics(engines: Engines) -> None:
     served = engines.get("llama-connector")
     assert _triton(served, "hit", "jobs", path="torch", direction="load") > 0
     assert _triton(served, "hit", "bytes", path="torch", direction="load") > 0
-    assert not any("chunks_refused" in name for name in served["steps"]["hit"]["triton_counters"])
+    # The health counters are there from start-up, at 0 until something goes wrong.
+    hit_counters = served["steps"]["hit"]["triton_counters"]
+    assert "vllm:triton_offload_loads_failed{}" in hit_counters
+    assert "vllm:triton_offload_chunks_refused{reason=checksum,tier=host}" in hit_counters
+    assert not any(value for name, value in hit_counters.items() if "chunks_refused" in name)
     # One start-up line per worker says what it chose: path, seals and what fits.
     for run in (report, served):
         lines = [line for line in run["log"].splitlines() if "chunks fit" in line]

@@ -180,3 +180,21 @@ def test_the_scan_sees_an_unregistered_private_name(
     monkeypatch.setattr(internals, "RELIANCES", kept)
     problems = private_name_problems()
     assert any("_reserve_sync_load" in line for line in problems), problems
+
+
+def test_a_field_vllm_renamed_is_named() -> None:
+    """A 'reads field' entry holds only while vLLM's record has that field: the check
+    names a field it lacks (here one that never existed) and passes a real one."""
+    scheduler = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler"
+    real = internals.Reliance(scheduler, "RequestOffloadState.req", "reads field", "x")
+    gone = internals.Reliance(scheduler, "RequestOffloadState.num_computed", "reads field", "x")
+    assert internals._problem(real) is None
+    assert internals._problem(gone) == "RequestOffloadState has no field num_computed"
+    fields = [r for r in internals.RELIANCES if r.use == "reads field"]
+    assert {r.name.split(".")[0] for r in fields} >= {
+        "RequestOffloadState",
+        "RequestGroupState",
+        "TransferJobStatus",
+        "TransferJob",
+        "OffloadingConnectorMetadata",
+    }
