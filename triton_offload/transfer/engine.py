@@ -195,8 +195,8 @@ def _checked_arguments(
         raise ValueError(f"num_host_blocks {num_host_blocks} must be >= 1")
     check_int("pool_piece_bytes", pool_piece_bytes, 1)
     if num_programs is not None:
-        # Checked on every backend: 0 or -3 launched an empty grid on the kernel path
-        # (every job "succeeded", nothing moved) and "4" failed every job later.
+        # Checked on every backend: a grid of no program would report jobs that moved
+        # nothing, and a non-int would fail every job at launch instead of here.
         num_programs = check_num_programs(num_programs)
     if not isinstance(page_checksums, bool):
         raise TypeError(f"page_checksums must be a bool, got {page_checksums!r}")
