@@ -47,6 +47,7 @@ try:
     from tests.helpers.interrupter import Interrupter, WorkerTarget
     from tests.helpers.region_config import region_files, region_mappings
     from tests.helpers.spec_geometry import Caches, _config
+    from triton_offload.transfer import cpu_copy as cpu_copy_module
     from triton_offload.transfer import engine as engine_module
     from triton_offload.vllm import counters as counters_module
     from triton_offload.vllm import worker as worker_module
@@ -69,7 +70,9 @@ TRACED = {worker_module.__file__, counters_module.__file__, engine_module.__file
 class OneSecondClock:
     """Stands in for the worker's ``time``: ``perf_counter`` advances one second per
     reading, so each sealing or verification the worker times (two readings) counts one
-    second, and a retried one (its first reading lost to the interrupt) one as well."""
+    second, and a retried one (its first reading lost to the interrupt) one as well.
+    The engine's hashing (also verification time) is timed on a clock that stands still
+    (:class:`StoppedClock`): it adds nothing, and each job counts exactly one second."""
 
     def __init__(self) -> None:
         self.now = 0.0
@@ -78,6 +81,13 @@ class OneSecondClock:
     def perf_counter(self) -> float:
         self.now += 1.0
         return self.now
+
+
+class StoppedClock:
+    """Stands in for the CPU copy path's ``time``: every reading is the same."""
+
+    def perf_counter(self) -> float:
+        return 0.0
 
 
 def site_text(site: tuple[str, int, str] | None) -> str:
@@ -130,6 +140,7 @@ def test_each_reported_job_is_counted_once_whatever_line_of_the_drain_is_interru
     counters drained as the connector does, then a full drain and the check: the counts
     equal what the reports say, each job once."""
     monkeypatch.setattr(worker_module, "time", OneSecondClock())
+    monkeypatch.setattr(cpu_copy_module, "time", StoppedClock())
     rng = random.Random(SEED)
     target = WorkerTarget()
     worker = target.worker

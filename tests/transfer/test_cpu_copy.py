@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import threading
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
+import xxhash
 
 from tests.helpers import run_oracle
 from triton_offload.transfer import cpu_copy
@@ -131,3 +135,136 @@ def test_copy_pages_matches_reference(
         )
     memmove, reference = results
     assert all(torch.equal(a, b) for a, b in zip(memmove, reference, strict=True))
+
+
+def _row_hashes(pool: torch.Tensor, layout: Any, pairs: np.ndarray, offsets: np.ndarray) -> dict:
+    """The judge: XXH3-64 of each named row's payload (its group's row bytes), read from
+    the pool after the copy."""
+    hashes = {}
+    for group in range(offsets.size - 1):
+        for row in pairs[offsets[group] : offsets[group + 1], 1].tolist():
+            payload = pool[row, : layout.group_row_bytes[group]].numpy().tobytes()
+            hashes[row] = xxhash.xxh3_64_intdigest(payload)
+    return hashes
+
+
+@pytest.mark.parametrize(
+    ("threads", "small_pages", "batch_bytes"),
+    [(1, cpu_copy.SMALL_JOB_PAGES, 1 << 20), (1, 0, 1), (1, 0, 300), (3, 0, 1)],
+    ids=["small-job", "row-batches", "two-row-batches", "three-threads"],
+)
+@pytest.mark.parametrize("direction", [Direction.TO_POOL, Direction.FROM_POOL])
+def test_copy_and_hash_pages_copies_like_the_reference_and_hashes_each_row_after_its_copy(
+    direction: int,
+    threads: int,
+    small_pages: int,
+    batch_bytes: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(cpu_copy, "SMALL_JOB_PAGES", small_pages)
+    monkeypatch.setattr(cpu_copy, "HOT_BATCH_BYTES", batch_bytes)
+    monkeypatch.setattr(cpu_copy, "PARALLEL_MIN_JOB_BYTES", 0)
+    monkeypatch.setattr(cpu_copy, "PARALLEL_MIN_RUN_BYTES", 0)
+    monkeypatch.setattr(cpu_copy, "copy_threads", lambda: threads)
+    # Every copy and hash in order: which pool row each touches.
+    events: list[tuple[str, int]] = []
+    events_lock = threading.Lock()
+    row_stride = 0  # set per path below
+    pool_start = 0
+    real_memmove, real_digest = cpu_copy._memmove, cpu_copy._digest
+
+    def memmove(target: int, source: int, length: int) -> int:
+        pool_side = target if direction == Direction.TO_POOL else source
+        with events_lock:
+            events.append(("copy", (pool_side - pool_start) // row_stride))
+        return real_memmove(target, source, length)
+
+    def digest(data: memoryview) -> int:
+        with events_lock:
+            events.append(("hash", len(events)))
+        return real_digest(data)
+
+    results = []
+    for path in ("fused", "reference"):
+        contiguous = torch.empty(16, 3, 7, dtype=torch.float16)  # 42 B pages, runs merge
+        padded_storage = torch.empty(16, 50, dtype=torch.uint8)
+        padded = padded_storage[:, 3:40]  # 37 B pages, 50 B stride: never merged
+        small = torch.empty(16, 5, dtype=torch.uint8)
+        for seed, tensor in enumerate((contiguous, padded_storage, small)):
+            random_bytes(tensor, seed)
+        layout = build_layout([[contiguous, padded], [small]], num_groups=2, blocks_per_chunk=4)
+        # Rows spaced wider than they hold (a worker's part of a shared region).
+        wide = torch.randint(
+            0,
+            256,
+            (5, layout.row_bytes + 24),
+            dtype=torch.uint8,
+            generator=torch.Generator().manual_seed(9),
+        )
+        pool = wide[:, : layout.row_bytes]
+        pairs = np.array(
+            [[3, 2, 1], [4, 2, 2], [5, 2, 3], [9, 0, 0], [7, 4, 0], [8, 4, 1], [0, 1, 3]],
+            dtype=np.int64,
+        )
+        offsets = np.array([0, 4, 7], dtype=np.int64)
+        if path == "fused":
+            row_stride, pool_start = wide.stride(0), pool.data_ptr()
+            monkeypatch.setattr(cpu_copy, "_memmove", memmove)
+            monkeypatch.setattr(cpu_copy, "_digest", digest)
+            flat = cpu_copy.pool_bytes(pool.data_ptr(), row_stride, 5, layout.row_bytes)
+            hashed = cpu_copy.copy_and_hash_pages(
+                layout, pool.data_ptr(), row_stride, pairs, offsets, direction, flat
+            )
+            monkeypatch.undo()
+            assert hashed.page_bytes == 4 * (42 + 37) + 3 * 5
+            assert hashed.rows.tolist() == [0, 1, 2, 4]
+            assert hashed.values.dtype == np.uint64
+            assert hashed.hash_seconds >= 0
+            sums = dict(zip(hashed.rows.tolist(), hashed.values.tolist(), strict=True))
+        else:
+            reference_copy(
+                [plane.view for plane in layout.planes],
+                layout,
+                torch.from_numpy(pairs),
+                torch.from_numpy(offsets),
+                pool,
+                Direction(direction),
+            )
+            assert sums == _row_hashes(pool, layout, pairs, offsets)
+        results.append(
+            [wide.clone(), *(storage_bytes(t) for t in (contiguous, padded_storage, small))]
+        )
+    fused, reference = results
+    assert all(torch.equal(a, b) for a, b in zip(fused, reference, strict=True))
+    copies = [row for kind, row in events if kind == "copy"]
+    assert sorted(set(copies)) == [0, 1, 2, 4]
+    hashes = [i for i, (kind, _) in enumerate(events) if kind == "hash"]
+    assert len(hashes) == 4
+    if threads == 1 and batch_bytes == 1:
+        # One row a batch: each row's copies, then its hash, before the next row's copies.
+        rows_in_order = [row for i, (kind, row) in enumerate(events) if kind == "copy"]
+        hashed_after = [
+            sum(1 for j in hashes if j < i) for i, (kind, _) in enumerate(events) if kind == "copy"
+        ]
+        # Copies of the k-th row (in row order) come after exactly k hashes.
+        order = sorted(set(rows_in_order))
+        assert hashed_after == [order.index(row) for row in rows_in_order]
+    elif threads == 1 and small_pages == 0:
+        assert hashes[0] < max(i for i, (kind, _) in enumerate(events) if kind == "copy")
+
+
+def test_copy_and_hash_pages_of_an_empty_job_hashes_nothing() -> None:
+    small = torch.zeros(4, 8, dtype=torch.uint8)
+    layout = build_layout([[small]], num_groups=1, blocks_per_chunk=2)
+    pool = torch.zeros(2, layout.row_bytes, dtype=torch.uint8)
+    flat = cpu_copy.pool_bytes(pool.data_ptr(), layout.row_bytes, 2, layout.row_bytes)
+    hashed = cpu_copy.copy_and_hash_pages(
+        layout,
+        pool.data_ptr(),
+        layout.row_bytes,
+        np.zeros((0, 3), np.int64),
+        np.array([0, 0], np.int64),
+        Direction.TO_POOL,
+        flat,
+    )
+    assert (hashed.page_bytes, hashed.rows.size, hashed.values.size) == (0, 0, 0)

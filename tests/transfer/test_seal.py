@@ -589,3 +589,38 @@ def test_split_and_fused_planes_of_the_same_bytes_have_different_layouts() -> No
     fused = layout_description([plane(0, 1024)], 2)  # type: ignore[list-item]
     assert split != fused
     assert digest8(split) != digest8(fused)
+
+
+@pytest.mark.parametrize("algorithm", ["wsum64", "xxh3_64"])
+def test_accepted_is_true_exactly_where_each_page_s_verdict_is_none(algorithm: str) -> None:
+    sealer, pages, rows, groups, keys, _ = mixed_pool(algorithm)
+    sums = np.array(
+        [
+            checksum(pages[c, : GROUP_PAYLOAD[g]].tobytes(), algorithm)
+            for c, g in zip(rows, groups, strict=True)
+        ],
+        dtype=np.uint64,
+    )
+    fine = [verdict is None for verdict in host_verdicts(pages, rows, groups, keys)]
+    assert sealer.accepted(rows, groups, key_rows(keys), sums, algorithm).tolist() == fine
+    # Without keys the key is not checked: the page a load asked for under another key
+    # is accepted, the others as before.
+    anykey = sealer.accepted(rows, groups, None, sums, algorithm).tolist()
+    assert anykey == [f or i == 3 for i, f in enumerate(fine)]
+    # Checksums by the other algorithm accept nothing (checked on the host instead).
+    other = "xxh3_64" if algorithm == "wsum64" else "wsum64"
+    assert not sealer.accepted(rows, groups, key_rows(keys), sums, other).any()
+
+
+@pytest.mark.parametrize("offset", range(SEAL_BYTES))
+def test_accepted_refuses_a_page_with_any_seal_byte_changed(offset: int) -> None:
+    _, pages = strided_pool()
+    sealer = PageSealer(pages, FMT, GROUP_PAYLOAD)
+    rows, groups = np.array([2, 5], dtype=np.int64), np.array([0, 1], dtype=np.int64)
+    keys = key_rows([key_digest(b"x"), key_digest(b"y")])
+    sums = np.array([11, 2**64 - 3], dtype=np.uint64)
+    sealer.seal_pages(rows, groups, keys, sums, "xxh3_64")
+    assert sealer.accepted(rows, groups, keys, sums, "xxh3_64").tolist() == [True, True]
+    pages[5, pages.shape[1] - SEAL_BYTES + offset] ^= 0x10
+    assert sealer.accepted(rows, groups, keys, sums, "xxh3_64").tolist() == [True, False]
+    assert sealer.accepted(rows, groups, None, sums, "xxh3_64").tolist() == [True, False]

@@ -30,6 +30,7 @@ try:
 
     from tests.helpers.spec_geometry import BPC, NUM_CHUNKS, Caches, _config
     from triton_offload.vllm import spec as _spec  # noqa: F401  (checks vLLM's names first)
+    from triton_offload.vllm.counters import VERIFY_SECONDS
     from triton_offload.vllm.integrity import KeyedCPULoadStoreSpec
 
     VLLM_ERROR: str | None = None
@@ -37,6 +38,7 @@ except ImportError as error:  # pragma: no cover - exercised where vllm is absen
     VLLM_ERROR = f"vllm cannot be imported: {error}"
 
 from triton_offload.transfer import checksums as checksums_module
+from triton_offload.transfer import cpu_copy as cpu_copy_module
 from triton_offload.transfer import seal as seal_module
 from triton_offload.transfer.seal import SEAL_BYTES, page_checksum, read_seal
 
@@ -88,6 +90,7 @@ class Calls:
             (seal_module, "page_checksums"),
             (checksums_module, "page_checksums"),
             (checksums_module, "host_checksums"),
+            (cpu_copy_module, "copy_and_hash_pages"),
         ):
             monkeypatch.setattr(module, name, self._counted(getattr(module, name)))
 
@@ -237,5 +240,32 @@ def test_a_page_sealed_on_another_kind_of_host_is_checked_on_this_one() -> None:
         assert not result.success and "payload checksum mismatch" in result.problem
         assert result.failed_blocks == ((9, 10), ())
         assert torch.is_tensor(worker.engine.pool)
+    finally:
+        worker.shutdown()
+
+
+def test_the_cpu_path_s_hashing_counts_as_verification_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The host hashes a CPU-path job's pages inside its copy; those seconds are part of
+    ``verify_seconds`` (store and load), beside the sealing and the seal check."""
+    hashing = 1000.0  # seconds each copy reports hashing: far above anything else counted
+    real = cpu_copy_module.copy_and_hash_pages
+
+    def slow_hash(*args: Any, **kwargs: Any) -> Any:
+        return real(*args, **kwargs)._replace(hash_seconds=hashing)
+
+    monkeypatch.setattr(cpu_copy_module, "copy_and_hash_pages", slow_hash)
+    _, _, worker = sealed_worker("torch")
+    try:
+        worker.counters.drain()
+        store_all(worker)
+        gpu = GPULoadStoreSpec([9, 10, 11], [3, 0], [1, 0])
+        assert worker.submit_load(2, KeyedCPULoadStoreSpec([0, 1], [key(0), key(1)]), gpu)
+        assert finish(worker, 2).success
+        verified = worker.counters.drain()[VERIFY_SECONDS]
+        assert set(verified) == {("store",), ("load",)}
+        for seconds in verified.values():
+            assert hashing <= seconds < hashing + 60
     finally:
         worker.shutdown()

@@ -13,11 +13,13 @@ bytes). ``wsum64`` is a sum over byte positions, so the passes' sums add up to
 On CUDA (and under the Triton interpreter) the sums are ``wsum64``, computed by the
 copy kernel in the same pass as the copy, or by a device pass over the GPU blocks
 beside a DMA copy; the host reads no payload byte. On the CPU path the host computes
-``xxh3_64`` of each page after the copy, while its bytes are still in cache.
+``xxh3_64`` of each page right after its copy, while its bytes are still in cache
+(``cpu_copy.copy_and_hash_pages``).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,6 +37,9 @@ class PageChecksums:
     rows: np.ndarray
     values: np.ndarray
     algorithm: str
+    #: Seconds the host spent computing them (the CPU path's hash; 0 where the copy
+    #: kernel or a device pass summed the bytes): part of the job's verification time.
+    seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -129,9 +134,11 @@ def host_checksums(
 ) -> PageChecksums:
     """The CPU path: each page's checksum computed here from the pool's bytes (the
     group's row bytes of every row the job named)."""
+    started = time.perf_counter()
     rows = np.unique(table.pairs[:, 1]).astype(np.int64)
     lengths = np.asarray(layout.group_row_bytes, dtype=np.int64)[page_groups(table, rows)]
-    return PageChecksums(rows, page_checksums(pool, rows, lengths, algorithm), algorithm)
+    values = page_checksums(pool, rows, lengths, algorithm)
+    return PageChecksums(rows, values, algorithm, time.perf_counter() - started)
 
 
 __all__ = [

@@ -25,6 +25,11 @@ further (as fast or faster at every page size; 64 KiB pages went from 0.64 to 0.
 the large copy in one run).
 Contiguous runs (adjacent pages on both sides) are merged into one ``memmove``.
 
+A checksummed job (:func:`copy_and_hash_pages`) hashes each pool row while its bytes are
+still in cache: rows are copied and hashed in batches of :data:`HOT_BATCH_BYTES`, each
+batch's runs copied, then its rows hashed, instead of the whole job copied and every row
+read back from memory afterwards.
+
 All addresses are computed with numpy from the static plane geometry and the pair
 table; the caller must have validated the pairs (the copies here trust them).
 """
@@ -34,18 +39,23 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import ctypes
+import functools
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 import torch
+import xxhash
 
 from triton_offload.transfer.jobs import Direction
 from triton_offload.transfer.layout import CacheLayout
 
 _memmove = ctypes.memmove
+_digest = xxhash.xxh3_64_intdigest
+T = TypeVar("T")
 
 #: Runs at least this long (mean over the job) are split over several threads:
 #: ctypes releases the GIL inside memmove, so threads overlap the copies themselves.
@@ -61,6 +71,12 @@ MAX_COPY_THREADS = 4
 #: numpy: merging runs saves little on so few pages, and numpy's per-call cost (some 15
 #: calls per plane) was most of a 16-page job's time (``bench/suites/bench_small_jobs.py``).
 SMALL_JOB_PAGES = 256
+#: A checksummed job is copied and hashed a batch of rows at a time, a batch holding about
+#: this many payload bytes: small enough to be in the copying core's cache when it is
+#: hashed (2 MiB of L2 per core on the CI machine). XXH3-64 over a 256 KiB row measured
+#: 49 GB/s there in cache and 13 GB/s once the row had left it (64 MiB hashed after the
+#: copy); ``bench/suites/bench_seal_worker.py`` measures the effect through vLLM's worker.
+HOT_BATCH_BYTES = 512 << 10
 
 _pool_lock = threading.Lock()
 _thread_pool: ThreadPoolExecutor | None = None
@@ -97,6 +113,8 @@ class JobRuns(NamedTuple):
     lengths: np.ndarray
     pages: int  # pages the job addresses
     page_bytes: int  # bytes the job moves
+    #: The pool row of each run (``by_row`` runs only: none crosses a row), else None.
+    rows: np.ndarray | None = None
 
 
 class RunBuilder:
@@ -147,10 +165,12 @@ class RunBuilder:
         group_offsets: np.ndarray,
         direction: int,
         planes: Sequence[int] | None = None,
+        by_row: bool = False,
     ) -> JobRuns:
-        """The job's runs; arguments as for :func:`copy_pages`."""
+        """The job's runs; arguments as for :func:`copy_pages`. ``by_row``: no run crosses
+        a pool row, and each run's row is returned (``JobRuns.rows``)."""
         assert direction in (Direction.TO_POOL, Direction.FROM_POOL)
-        parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        parts: list[tuple[np.ndarray, ...]] = []
         pages = moved = 0
         bounds = group_offsets.tolist()
         for group, stack in enumerate(self._stack(planes)):
@@ -165,23 +185,31 @@ class RunBuilder:
             )
             breaks = np.ones(cache.shape, dtype=bool)
             breaks[:, 1:] = (np.diff(cache, axis=1) != page) | (np.diff(pool, axis=1) != page)
+            if by_row:
+                breaks[:, 1:] |= (np.diff(pairs[lo:hi, 1]) != 0)[None, :]
             starts = np.flatnonzero(breaks)
             counts = np.diff(np.append(starts, cache.size))
             lengths = counts * np.broadcast_to(page, cache.shape).ravel()[starts]
             cache_starts, pool_starts = cache.ravel()[starts], pool.ravel()[starts]
             if direction == Direction.TO_POOL:
-                parts.append((pool_starts, cache_starts, lengths))
+                part = (pool_starts, cache_starts, lengths)
             else:
-                parts.append((cache_starts, pool_starts, lengths))
+                part = (cache_starts, pool_starts, lengths)
+            if by_row:
+                # Runs are numbered plane-major: run k starts at pair k % n of the group.
+                part += (pairs[lo:hi, 1][starts % (hi - lo)],)
+            parts.append(part)
             pages += cache.size
             moved += int(page.sum()) * (hi - lo)
         if not parts:
             empty = np.zeros(0, dtype=np.int64)
-            return JobRuns(empty, empty, empty, 0, 0)
+            return JobRuns(empty, empty, empty, 0, 0, empty if by_row else None)
         if len(parts) == 1:
-            return JobRuns(*parts[0], pages, moved)
-        targets, sources, lengths = (np.concatenate(column) for column in zip(*parts, strict=True))
-        return JobRuns(targets, sources, lengths, pages, moved)
+            columns = list(parts[0])
+        else:
+            columns = [np.concatenate(column) for column in zip(*parts, strict=True)]
+        rows = columns[3] if by_row else None
+        return JobRuns(columns[0], columns[1], columns[2], pages, moved, rows)
 
 
 def copy_pages(
@@ -218,6 +246,27 @@ def copy_pages(
         )
     builder = RunBuilder(layout) if runs is None else runs
     job = builder.runs(pool_address, pool_row_bytes, pairs, group_offsets, direction, planes)
+    threads = _threads_for(job)
+    if threads > 1:
+        # Interleaved shares: every thread gets runs of every plane, so the work is
+        # balanced when page sizes differ between planes.
+        shares = [
+            functools.partial(
+                _memmove_all,
+                job.targets[i::threads].tolist(),
+                job.sources[i::threads].tolist(),
+                job.lengths[i::threads].tolist(),
+            )
+            for i in range(threads)
+        ]
+        _run_shares(shares)
+    else:
+        _memmove_all(job.targets.tolist(), job.sources.tolist(), job.lengths.tolist())
+    return job.page_bytes
+
+
+def _threads_for(job: JobRuns) -> int:
+    """Threads a job's runs are split over: one unless the job and its runs are long."""
     threads = copy_threads()
     if (
         threads > 1
@@ -225,36 +274,29 @@ def copy_pages(
         and job.page_bytes >= PARALLEL_MIN_JOB_BYTES
         and job.page_bytes >= PARALLEL_MIN_RUN_BYTES * job.lengths.size
     ):
-        # Interleaved shares: every thread gets runs of every plane, so the work is
-        # balanced when page sizes differ between planes.
-        shares = [
-            (
-                job.targets[i::threads].tolist(),
-                job.sources[i::threads].tolist(),
-                job.lengths[i::threads].tolist(),
-            )
-            for i in range(threads)
-        ]
-        helpers = _helpers(threads - 1)
-        futures = [helpers.submit(_memmove_all, *share) for share in shares[1:]]
-        try:
-            _memmove_all(*shares[0])
-        except BaseException:
-            # Whatever stopped this thread's share (KeyboardInterrupt included), no
-            # helper may still be writing when the job is reported failed: its late
-            # writes would overwrite a later store into the same rows. Shares not
-            # started yet are cancelled; running ones are waited for.
-            for future in futures:
-                future.cancel()
-            concurrent.futures.wait(futures)
-            raise
-        # Every share must finish (also when one of them failed) before this returns.
-        concurrent.futures.wait(futures)
+        return threads
+    return 1
+
+
+def _run_shares(shares: Sequence[Callable[[], T]]) -> list[T]:
+    """Run the first share here and the others on helper threads; every share has ended
+    when this returns or raises (a helper's error is raised here)."""
+    helpers = _helpers(len(shares) - 1)
+    futures = [helpers.submit(share) for share in shares[1:]]
+    try:
+        first = shares[0]()
+    except BaseException:
+        # Whatever stopped this thread's share (KeyboardInterrupt included), no helper
+        # may still be writing when the job is reported failed: its late writes would
+        # overwrite a later store into the same rows. Shares not started yet are
+        # cancelled; running ones are waited for.
         for future in futures:
-            future.result()  # a helper's error fails the job
-    else:
-        _memmove_all(job.targets.tolist(), job.sources.tolist(), job.lengths.tolist())
-    return job.page_bytes
+            future.cancel()
+        concurrent.futures.wait(futures)
+        raise
+    # Every share must finish (also when one of them failed) before this returns.
+    concurrent.futures.wait(futures)
+    return [first, *(future.result() for future in futures)]  # a helper's error fails the job
 
 
 def _copy_small(
@@ -287,10 +329,152 @@ def _copy_small(
     return moved
 
 
+class HashedCopy(NamedTuple):
+    """A checksummed job's copy: the bytes it moved, every pool row its pairs name
+    (ascending, int64) with the XXH3-64 of the row's payload (its group's row bytes) as
+    the copy left it (uint64), and the seconds spent hashing (all threads together)."""
+
+    page_bytes: int
+    rows: np.ndarray
+    values: np.ndarray
+    hash_seconds: float
+
+
+def pool_bytes(pool_address: int, pool_row_bytes: int, rows: int, row_bytes: int) -> memoryview:
+    """A pool of ``rows`` rows (``row_bytes`` used of every ``pool_row_bytes``) as one
+    flat run of bytes from its first byte: what :func:`copy_and_hash_pages` hashes. It
+    holds no reference to the memory: valid while the pool is."""
+    span = max(0, (rows - 1) * pool_row_bytes + row_bytes)
+    return memoryview((ctypes.c_ubyte * span).from_address(pool_address)).cast("B")
+
+
+def copy_and_hash_pages(
+    layout: CacheLayout,
+    pool_address: int,
+    pool_row_bytes: int,
+    pairs: np.ndarray,
+    group_offsets: np.ndarray,
+    direction: int,
+    pool: memoryview,
+    planes: Sequence[int] | None = None,
+    runs: RunBuilder | None = None,
+) -> HashedCopy:
+    """:func:`copy_pages`, each pool row the job names hashed (XXH3-64 of its payload,
+    the slots the job does not move included) right after the copies into or out of it,
+    while its bytes are in cache: a batch of rows of about :data:`HOT_BATCH_BYTES` is
+    copied, then hashed. A store's rows are hashed as written, a load's as read.
+    ``pool``: the pool's bytes from ``pool_address`` (:func:`pool_bytes`)."""
+    bounds = group_offsets.tolist()
+    payload = layout.group_row_bytes
+    if pairs.shape[0] <= SMALL_JOB_PAGES:
+        listed = pairs.tolist()
+        row_group: dict[int, int] = {}
+        for group in range(len(bounds) - 1):
+            for _, row, _ in listed[bounds[group] : bounds[group + 1]]:
+                row_group[row] = group
+        if sum(payload[g] for g in row_group.values()) <= HOT_BATCH_BYTES:
+            moved = copy_pages(
+                layout, pool_address, pool_row_bytes, pairs, group_offsets, direction, planes, runs
+            )
+            rows = sorted(row_group)
+            if not rows:
+                empty = np.zeros(0, dtype=np.int64)
+                return HashedCopy(moved, empty, empty.astype(np.uint64), 0.0)
+            lengths = [payload[row_group[row]] for row in rows]
+            started = time.perf_counter()
+            values = [
+                _digest(pool[row * pool_row_bytes : row * pool_row_bytes + length])
+                for row, length in zip(rows, lengths, strict=True)
+            ]
+            seconds = time.perf_counter() - started
+            return HashedCopy(moved, np.array(rows, np.int64), np.array(values, np.uint64), seconds)
+    builder = RunBuilder(layout) if runs is None else runs
+    job = builder.runs(
+        pool_address, pool_row_bytes, pairs, group_offsets, direction, planes, by_row=True
+    )
+    assert job.rows is not None
+    rows = np.unique(pairs[:, 1])
+    if rows.size == 0:
+        return HashedCopy(job.page_bytes, rows, np.zeros(0, np.uint64), 0.0)
+    groups = np.repeat(np.arange(len(bounds) - 1, dtype=np.int64), np.diff(group_offsets))
+    lengths = np.empty(rows.size, dtype=np.int64)
+    lengths[np.searchsorted(rows, pairs[:, 1])] = np.asarray(payload, np.int64)[groups]
+    # Runs in row order; rows cut into batches of about HOT_BATCH_BYTES (a row longer
+    # than that is a batch of its own), and each batch's runs found by its rows.
+    run_row = np.searchsorted(rows, job.rows)
+    order = np.argsort(run_row, kind="stable")
+    batch = (np.cumsum(lengths) - lengths) // HOT_BATCH_BYTES
+    row_bounds = np.flatnonzero(np.diff(batch)) + 1
+    row_bounds = np.concatenate([[0], row_bounds, [rows.size]])
+    run_bounds = np.searchsorted(run_row[order], row_bounds)
+    work = _HashWork(
+        job.targets[order].tolist(),
+        job.sources[order].tolist(),
+        job.lengths[order].tolist(),
+        run_bounds.tolist(),
+        (rows * pool_row_bytes).tolist(),
+        lengths.tolist(),
+        row_bounds.tolist(),
+        pool,
+        [0] * rows.size,
+    )
+    batches = row_bounds.size - 1
+    threads = min(_threads_for(job), batches)
+    if threads > 1:
+        # Interleaved batches: each thread copies and hashes its own rows.
+        seconds = sum(
+            _run_shares(
+                [functools.partial(work.run, range(i, batches, threads)) for i in range(threads)]
+            )
+        )
+    else:
+        seconds = work.run(range(batches))
+    return HashedCopy(job.page_bytes, rows, np.array(work.values, np.uint64), seconds)
+
+
+class _HashWork(NamedTuple):
+    """A checksummed job's runs and rows in row order, cut into batches: batch ``b`` is
+    runs ``run_bounds[b]:run_bounds[b + 1]`` and rows ``row_bounds[b]:row_bounds[b + 1]``
+    (row ``r`` at byte ``row_starts[r]`` of ``pool``, ``row_lengths[r]`` bytes)."""
+
+    targets: list[int]
+    sources: list[int]
+    lengths: list[int]
+    run_bounds: list[int]
+    row_starts: list[int]
+    row_lengths: list[int]
+    row_bounds: list[int]
+    pool: memoryview
+    values: list[int]  # filled in by run(), one slot per row
+
+    def run(self, batches: range) -> float:
+        """Copy and hash ``batches``; returns the seconds spent hashing."""
+        hashing = 0.0
+        pool, starts, lengths = self.pool, self.row_starts, self.row_lengths
+        for index in batches:
+            lo, hi = self.run_bounds[index], self.run_bounds[index + 1]
+            collections.deque(
+                map(_memmove, self.targets[lo:hi], self.sources[lo:hi], self.lengths[lo:hi]),
+                maxlen=0,
+            )
+            started = time.perf_counter()
+            first, last = self.row_bounds[index], self.row_bounds[index + 1]
+            self.values[first:last] = [
+                _digest(pool[start : start + length])
+                for start, length in zip(starts[first:last], lengths[first:last], strict=True)
+            ]
+            hashing += time.perf_counter() - started
+        return hashing
+
+
 __all__ = [
+    "HOT_BATCH_BYTES",
     "SMALL_JOB_PAGES",
+    "HashedCopy",
     "JobRuns",
     "RunBuilder",
+    "copy_and_hash_pages",
     "copy_pages",
     "copy_threads",
+    "pool_bytes",
 ]

@@ -71,6 +71,7 @@ from typing import Any, Literal
 import torch
 
 from triton_offload.planner.plan import OffloadPlan
+from triton_offload.transfer import cpu_copy
 from triton_offload.transfer.batch_copy import find_batch_copy
 from triton_offload.transfer.checksums import JobPages, host_checksums, job_pages
 from triton_offload.transfer.copiers import (
@@ -439,6 +440,10 @@ class TransferEngine:
         )
         # The launches that sum pages (fused into the copy, or read-only passes).
         self._summer: TritonCopier | None = None
+        # The CPU path's: the pool's bytes as the host hashes them (made at the first
+        # checksummed job) and the runs of checksummed jobs, cut at pool rows.
+        self._host_pool_bytes: memoryview | None = None
+        self._hash_runs = cpu_copy.RunBuilder(self.layout)
         if not self.page_checksums or self.checksum_algorithm != DEVICE_ALGORITHM:
             return
         summer = triton if isinstance(triton, TritonCopier) else self._make_copier("triton")
@@ -633,6 +638,7 @@ class TransferEngine:
                     self.pool.numpy(), self.layout, table, self.checksum_algorithm
                 )
                 job.checksum_rows, job.checksum_values = sums.rows, sums.values
+                job.checksum_seconds = sums.seconds
 
             tail.append(hash_pages)
         return per_stage, tail
@@ -953,18 +959,14 @@ class TransferEngine:
                         job.job_id,
                     )
                     return
-                runs = self._prepare(job, table, None)
-                start = time.perf_counter()
-                for run in runs:
-                    run()
-                job.transfer_time = time.perf_counter() - start
                 if job.checksum and self._summer is None:
-                    # The CPU path: the host hashes each page right after copying it,
-                    # while its bytes are still in cache.
-                    sums = host_checksums(
-                        self.pool.numpy(), self.layout, table, self.checksum_algorithm
-                    )
-                    job.checksum_rows, job.checksum_values = sums.rows, sums.values
+                    self._copy_and_hash(job, table)
+                else:
+                    runs = self._prepare(job, table, None)
+                    start = time.perf_counter()
+                    for run in runs:
+                        run()
+                    job.transfer_time = time.perf_counter() - start
                 job.success = True
         except BaseException as error:
             job.success = False
@@ -981,6 +983,30 @@ class TransferEngine:
             with self._lock:
                 self._finished.append(job)
                 job.finished.set()
+
+    def _copy_and_hash(self, job: RunningJob, table: PairTable) -> None:
+        """The CPU path's checksummed job: each pool row hashed (XXH3-64) right after
+        its copy, while its bytes are in cache. ``transfer_time`` is the whole pass, as
+        a fused kernel's is on CUDA; the hashing's share goes with the checksums."""
+        assert job.assignment == (("torch", None),), job.assignment
+        if self._host_pool_bytes is None:
+            self._host_pool_bytes = cpu_copy.pool_bytes(
+                self.pool_address, self.row_stride, self.pool.shape[0], self.pool.shape[1]
+            )
+        start = time.perf_counter()
+        hashed = cpu_copy.copy_and_hash_pages(
+            self.layout,
+            self.pool_address,
+            self.row_stride,
+            table.pairs,
+            table.offsets,
+            job.direction,
+            self._host_pool_bytes,
+            runs=self._hash_runs,
+        )
+        job.transfer_time = time.perf_counter() - start
+        job.checksum_rows, job.checksum_values = hashed.rows, hashed.values
+        job.checksum_seconds = hashed.hash_seconds
 
     def _run_cuda(self, job: RunningJob, table: PairTable) -> None:
         stream = self._streams[job.lane]

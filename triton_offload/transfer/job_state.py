@@ -70,6 +70,7 @@ class RunningJob:
     checksum_algorithm: str = ""
     checksum_rows: np.ndarray | None = None
     checksum_values: Any = None
+    checksum_seconds: float = 0.0  # the host's hashing (CPU path)
 
     def done(self) -> bool:
         return self.end is None or bool(self.end.query())
@@ -83,7 +84,9 @@ class RunningJob:
             values = self.checksum_values
             if isinstance(values, torch.Tensor):
                 values = values.numpy().view(np.uint64).copy()
-            checksums = PageChecksums(self.checksum_rows, values, self.checksum_algorithm)
+            checksums = PageChecksums(
+                self.checksum_rows, values, self.checksum_algorithm, self.checksum_seconds
+            )
         return TransferResult(
             self.job_id,
             self.success,

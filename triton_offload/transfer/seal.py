@@ -294,6 +294,14 @@ def _check_algorithm(algorithm: str) -> int:
     return ALGORITHMS[algorithm]
 
 
+def _header_words_check(words: np.ndarray) -> np.ndarray:
+    """The header check of seals given as ``[n, 8]`` u64 words (their first 7 words, as
+    the 14 u32 words ``wsum64`` weighs)."""
+    halves = np.ascontiguousarray(words[:, :7]).view("<u4").astype(np.uint64)
+    halves *= wsum64_weights(14)
+    return halves.sum(axis=1, dtype=np.uint64)
+
+
 def header_checks(records: np.ndarray) -> np.ndarray:
     """The header check of each record (``wsum64`` of its first 56 bytes), uint64."""
     raw = records.view(np.uint8).reshape(-1, SEAL_BYTES)[:, :_CHECKED_BYTES]
@@ -538,6 +546,18 @@ class PageSealer:
         self.format = fmt
         self.group_payload = tuple(int(p) for p in group_payload)
         self._payload = np.array(self.group_payload, dtype=np.int64)
+        # The seal as eight little-endian u64 words (the fast path of sealing and
+        # checking): 0-2 magic, config and layout digests (the same on every page),
+        # 3 key digest, 4 payload checksum, 5 length | index << 32 | count << 48 (by
+        # group), 6 algorithm id (the 7 bytes after it zero), 7 header check.
+        self._fixed = np.frombuffer(
+            SEAL_MAGIC + fmt.config_digest + fmt.layout_digest, dtype="<u8"
+        ).astype(np.uint64)
+        self._place = (
+            self._payload.astype(np.uint64)
+            | np.uint64(fmt.page_index << 32)
+            | np.uint64(fmt.page_count << 48)
+        )
         #: Pages this sealer checked on the host because their seal names an algorithm
         #: the load's path does not compute (a page sealed on another kind of host).
         self.host_checked_pages = 0
@@ -564,6 +584,22 @@ class PageSealer:
         raw = self.pages[np.asarray(chunks, dtype=np.int64), self.room :]
         return np.ascontiguousarray(raw).view(RECORD).reshape(-1)
 
+    def _words(
+        self, groups: np.ndarray, keys: np.ndarray, checksums: np.ndarray, algorithm: str
+    ) -> np.ndarray:
+        """The seals of pages of ``groups`` with these key digests and checksums, as
+        ``[n, 8]`` u64 words, header checks included (the bytes :func:`seal_records`
+        writes, built without a structured array)."""
+        number = _check_algorithm(algorithm)
+        words = np.empty((len(groups), 8), dtype="<u8")
+        words[:, :3] = self._fixed
+        words[:, 3] = np.ascontiguousarray(keys, dtype=np.uint8).reshape(-1, 8).view("<u8")[:, 0]
+        words[:, 4] = checksums
+        words[:, 5] = self._place[groups]
+        words[:, 6] = number
+        words[:, 7] = _header_words_check(words)
+        return words
+
     def seal_pages(
         self,
         chunks: np.ndarray,
@@ -574,11 +610,29 @@ class PageSealer:
     ) -> None:
         """Seal the pages of ``chunks`` (their groups, ``[n, 8]`` key digests and the
         checksums their copy computed), all headers in one batch."""
-        chunks = np.asarray(chunks, dtype=np.int64)
-        records = seal_records(
-            chunks.size, self.format, keys, checksums, self._payload[groups], algorithm
-        )
-        self.pages[chunks, self.room :] = records.view(np.uint8).reshape(-1, SEAL_BYTES)
+        words = self._words(np.asarray(groups), keys, checksums, algorithm)
+        self.pages[np.asarray(chunks, dtype=np.int64), self.room :] = words.view(np.uint8)
+
+    def accepted(
+        self,
+        chunks: np.ndarray,
+        groups: np.ndarray,
+        keys: np.ndarray | None,
+        checksums: np.ndarray,
+        algorithm: str,
+    ) -> np.ndarray:
+        """Which pages hold exactly the seal a store of them with these key digests
+        (None: any key) and payload checksums (by ``algorithm``) writes: the whole
+        verdict of a page as one comparison of its 64 seal bytes (bool ``[n]``). A page
+        not accepted here has a problem :meth:`header_problems` and
+        :meth:`payload_problems` name (or was sealed by the other algorithm)."""
+        stored = np.ascontiguousarray(self.pages[np.asarray(chunks, dtype=np.int64), self.room :])
+        stored_words = stored.view("<u8")
+        if keys is None:
+            # Any key: expect the stored one.
+            keys = stored[:, 24:32]
+        expected = self._words(np.asarray(groups), keys, checksums, algorithm)
+        return (stored_words == expected).all(axis=1)
 
     def seal(self, chunk: int, group: int, key: bytes, algorithm: str = HOST_ALGORITHM) -> None:
         """Seal one page, its checksum computed here on the host (tests, tools)."""
