@@ -10,12 +10,19 @@ overwrites an object on every store, so the next store repairs it without a remo
 
 The rounds run through vLLM's real scheduler, this connector, vLLM's tiering manager
 and its fs (or obj, against a local moto S3 server) tier (``tests/helpers/vllm_engine.py``).
+
+The removal never leaves the tier: a folder on a chunk's path swapped for a symbolic link
+to an outside folder, before each of the removal's file-system calls in turn or from a
+thread racing thousands of removals, never costs an outside file.
 """
 
 from __future__ import annotations
 
+import collections
 import os
+import threading
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -272,3 +279,138 @@ def test_the_cpu_spec_alone_has_no_tier_to_repair(engines: list[Engine], tmp_pat
     serve(engine, row, "B", SECOND)
     guard = engine.connector_scheduler.triton_guard
     assert guard.chunks_refused == 1 and guard.tier_files_removed == 0
+
+
+# ------------------------------------------------------------------ folders swapped for links
+
+#: Entries of os the removal may call; a swap is planted before the n-th call of any.
+FILE_SYSTEM_CALLS = ("open", "rename", "replace", "link", "unlink", "stat", "lstat")
+
+
+def swap_for_link(folder: Path, outside: Path) -> None:
+    """Another writer of the tier moves ``folder`` aside and puts a symbolic link to
+    ``outside`` (a folder of the engine's user, out of the tier) in its place."""
+    folder.rename(folder.with_name(folder.name + ".moved"))
+    folder.symlink_to(outside, target_is_directory=True)
+
+
+def tier_with_twin_outside(tmp_path: Path, swapped: str) -> tuple[Path, Path, Path, Path]:
+    """A refused chunk file in the tier and a file of the same name in an outside folder
+    shaped like the tier below ``swapped``: (tier folder, chunk file, the folder that is
+    swapped, the outside folder its link points to)."""
+    root = tmp_path / "tier_r0"
+    chunk = root / "abc" / "de_g0" / "chunk.bin"
+    chunk.parent.mkdir(parents=True)
+    chunk.write_bytes(b"\x00" * 64)
+    swapped_folder = root / swapped
+    outside = tmp_path / "outside"
+    twin = outside / chunk.relative_to(swapped_folder)
+    twin.parent.mkdir(parents=True)
+    twin.write_bytes(b"\x00" * 64)
+    return root, chunk, swapped_folder, outside
+
+
+def count_calls(monkeypatch: pytest.MonkeyPatch, before: Callable[[int], None]) -> None:
+    """Run ``before(n)`` ahead of the n-th call (from 1) of any FILE_SYSTEM_CALLS."""
+    calls = [0]
+    for name in FILE_SYSTEM_CALLS:
+        real = getattr(os, name)
+
+        def hooked(*args: Any, _real: Any = real, **kwargs: Any) -> Any:
+            calls[0] += 1
+            before(calls[0])
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(os, name, hooked)
+
+
+@pytest.mark.parametrize("swapped", ["abc", "abc/de_g0"])
+def test_a_folder_swapped_for_a_link_never_leads_the_removal_out_of_the_tier(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, swapped: str
+) -> None:
+    """A folder on the chunk's path becomes a symbolic link to an outside folder at any
+    moment of the removal: before each of its file-system calls in turn, and while the
+    judge reads. The outside file of the same name is never touched."""
+    _, dry_chunk, _, _ = tier_with_twin_outside(tmp_path / "dry-run", swapped)
+    calls: list[int] = []
+    with monkeypatch.context() as patch:
+        count_calls(patch, calls.append)
+        remove_refused_file(str(dry_chunk), str(tmp_path / "dry-run" / "tier_r0"), 64, refuse_all)
+    assert not dry_chunk.exists() and calls, "the dry run removes the refused file"
+    for moment in [*range(1, len(calls) + 1), "judge"]:
+        case = tmp_path / f"case-{moment}"
+        root, chunk, swapped_folder, outside = tier_with_twin_outside(case, swapped)
+        twin = outside / chunk.relative_to(swapped_folder)
+        inode = twin.stat().st_ino
+
+        def swap_at(call: int, _moment: Any = moment, _folder: Path = swapped_folder,
+                    _outside: Path = outside) -> None:  # fmt: skip
+            if call == _moment:
+                swap_for_link(_folder, _outside)
+
+        def judge(data: bytes, _moment: Any = moment, _folder: Path = swapped_folder,
+                  _outside: Path = outside) -> str:  # fmt: skip
+            if _moment == "judge":
+                swap_for_link(_folder, _outside)
+            return "refused"
+
+        with monkeypatch.context() as patch:
+            count_calls(patch, swap_at)
+            try:
+                outcome: Any = remove_refused_file(str(chunk), str(root), 64, judge)
+            except (OSError, ValueError) as error:  # refused: the engine logs it, keeps all
+                outcome = error
+        assert twin.exists() and twin.stat().st_ino == inode, (
+            f"swap before call {moment}: {outcome}, the outside file {twin} was removed"
+        )
+        assert twin.read_bytes() == b"\x00" * 64
+        assert sorted(p.name for p in twin.parent.iterdir()) == ["chunk.bin"]
+
+
+def test_folders_swapped_for_links_while_repairs_run_never_lose_an_outside_file(
+    tmp_path: Path,
+) -> None:
+    """A writer of the tier swaps a folder for a link to an outside folder and back, as
+    fast as it can, while 3,000 refused chunk files are removed one by one: every outside
+    file of the same name is still there afterwards (the tier's own files may go or
+    stay; none leaves the tier)."""
+    count = 3000
+    root = tmp_path / "tier_r0"
+    leaf = root / "abc" / "de_g0"
+    outside = tmp_path / "outside"
+    (outside / "de_g0").mkdir(parents=True)
+    leaf.mkdir(parents=True)
+    names = [f"c{index:05d}.bin" for index in range(count)]
+    for name in names:
+        (leaf / name).write_bytes(b"\x00" * 64)
+        (outside / "de_g0" / name).write_bytes(b"\x00" * 64)
+    folder, aside = root / "abc", root / "abc.real"
+    stop = threading.Event()
+    swaps = [0]
+
+    def swapper() -> None:
+        while not stop.is_set():
+            folder.rename(aside)
+            folder.symlink_to(outside, target_is_directory=True)
+            folder.unlink()
+            aside.rename(folder)
+            swaps[0] += 1
+
+    thread = threading.Thread(target=swapper, daemon=True)
+    thread.start()
+    outcomes: collections.Counter[str] = collections.Counter()
+    try:
+        for name in names:
+            try:
+                outcome = remove_refused_file(str(leaf / name), str(root), 64, refuse_all)
+                outcomes[outcome.name] += 1
+            except (OSError, ValueError) as error:  # refused, as the engine's caller logs it
+                outcomes[type(error).__name__] += 1
+    finally:
+        stop.set()
+        thread.join(timeout=120)
+    assert not thread.is_alive()
+    assert swaps[0] > 0
+    lost = [name for name in names if not (outside / "de_g0" / name).exists()]
+    assert lost == [], f"{len(lost)} outside files removed ({dict(outcomes)}, {swaps[0]} swaps)"
+    assert sorted(p.name for p in (outside / "de_g0").iterdir()) == names
