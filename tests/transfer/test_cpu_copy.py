@@ -149,20 +149,41 @@ def _row_hashes(pool: torch.Tensor, layout: Any, pairs: np.ndarray, offsets: np.
 
 
 @pytest.mark.parametrize(
-    ("threads", "small_pages", "batch_bytes"),
-    [(1, cpu_copy.SMALL_JOB_PAGES, 1 << 20), (1, 0, 1), (1, 0, 300), (3, 0, 1)],
-    ids=["small-job", "row-batches", "two-row-batches", "three-threads"],
+    ("threads", "small_pages", "batch_bytes", "whole_bytes"),
+    [
+        (1, cpu_copy.SMALL_JOB_PAGES, 1 << 20, 1 << 20),
+        (1, 0, 1 << 20, 1 << 20),
+        (1, 0, 1, 0),
+        (1, 0, 300, 0),
+        (1, cpu_copy.SMALL_JOB_PAGES, 1, 0),
+        (3, 0, 1, 0),
+    ],
+    ids=[
+        "few-pairs-copy-then-hash",
+        "copy-then-hash",
+        "row-batches",
+        "two-row-batches",
+        "few-pairs-row-batches",
+        "three-threads",
+    ],
 )
+@pytest.mark.parametrize("groups", [1, 2])
 @pytest.mark.parametrize("direction", [Direction.TO_POOL, Direction.FROM_POOL])
 def test_copy_and_hash_pages_copies_like_the_reference_and_hashes_each_row_after_its_copy(
     direction: int,
+    groups: int,
     threads: int,
     small_pages: int,
     batch_bytes: int,
+    whole_bytes: int,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Every way through: jobs whose rows fit the cache copied whole, then hashed (with
+    few pairs: rows found with Python ints), row batches on one or three threads; rows of
+    one length (one group) and of two."""
     monkeypatch.setattr(cpu_copy, "SMALL_JOB_PAGES", small_pages)
     monkeypatch.setattr(cpu_copy, "HOT_BATCH_BYTES", batch_bytes)
+    monkeypatch.setattr(cpu_copy, "COPY_THEN_HASH_BYTES", whole_bytes)
     monkeypatch.setattr(cpu_copy, "PARALLEL_MIN_JOB_BYTES", 0)
     monkeypatch.setattr(cpu_copy, "PARALLEL_MIN_RUN_BYTES", 0)
     monkeypatch.setattr(cpu_copy, "copy_threads", lambda: threads)
@@ -192,7 +213,8 @@ def test_copy_and_hash_pages_copies_like_the_reference_and_hashes_each_row_after
         small = torch.empty(16, 5, dtype=torch.uint8)
         for seed, tensor in enumerate((contiguous, padded_storage, small)):
             random_bytes(tensor, seed)
-        layout = build_layout([[contiguous, padded], [small]], num_groups=2, blocks_per_chunk=4)
+        planes = [[contiguous, padded], [small]][:groups]
+        layout = build_layout(planes, num_groups=groups, blocks_per_chunk=4)
         # Rows spaced wider than they hold (a worker's part of a shared region).
         wide = torch.randint(
             0,
@@ -207,6 +229,9 @@ def test_copy_and_hash_pages_copies_like_the_reference_and_hashes_each_row_after
             dtype=np.int64,
         )
         offsets = np.array([0, 4, 7], dtype=np.int64)
+        if groups == 1:
+            pairs, offsets = pairs[:4], offsets[:2]
+        named_rows = sorted(set(pairs[:, 1].tolist()))
         if path == "fused":
             row_stride, pool_start = wide.stride(0), pool.data_ptr()
             monkeypatch.setattr(cpu_copy, "_memmove", memmove)
@@ -216,8 +241,8 @@ def test_copy_and_hash_pages_copies_like_the_reference_and_hashes_each_row_after
                 layout, pool.data_ptr(), row_stride, pairs, offsets, direction, flat
             )
             monkeypatch.undo()
-            assert hashed.page_bytes == 4 * (42 + 37) + 3 * 5
-            assert hashed.rows.tolist() == [0, 1, 2, 4]
+            assert hashed.page_bytes == 4 * (42 + 37) + (3 * 5 if groups == 2 else 0)
+            assert hashed.rows.tolist() == named_rows
             assert hashed.values.dtype == np.uint64
             assert hashed.hash_seconds >= 0
             sums = dict(zip(hashed.rows.tolist(), hashed.values.tolist(), strict=True))
@@ -237,10 +262,13 @@ def test_copy_and_hash_pages_copies_like_the_reference_and_hashes_each_row_after
     fused, reference = results
     assert all(torch.equal(a, b) for a, b in zip(fused, reference, strict=True))
     copies = [row for kind, row in events if kind == "copy"]
-    assert sorted(set(copies)) == [0, 1, 2, 4]
+    assert sorted(set(copies)) == named_rows
     hashes = [i for i, (kind, _) in enumerate(events) if kind == "hash"]
-    assert len(hashes) == 4
-    if threads == 1 and batch_bytes == 1:
+    assert len(hashes) == len(named_rows)
+    if whole_bytes:
+        # Copied whole, then hashed.
+        assert min(hashes) > max(i for i, (kind, _) in enumerate(events) if kind == "copy")
+    elif threads == 1 and batch_bytes == 1:
         # One row a batch: each row's copies, then its hash, before the next row's copies.
         rows_in_order = [row for i, (kind, row) in enumerate(events) if kind == "copy"]
         hashed_after = [
@@ -249,7 +277,7 @@ def test_copy_and_hash_pages_copies_like_the_reference_and_hashes_each_row_after
         # Copies of the k-th row (in row order) come after exactly k hashes.
         order = sorted(set(rows_in_order))
         assert hashed_after == [order.index(row) for row in rows_in_order]
-    elif threads == 1 and small_pages == 0:
+    elif threads == 1:
         assert hashes[0] < max(i for i, (kind, _) in enumerate(events) if kind == "copy")
 
 

@@ -77,6 +77,12 @@ SMALL_JOB_PAGES = 256
 #: 49 GB/s there in cache and 13 GB/s once the row had left it (64 MiB hashed after the
 #: copy); ``bench/suites/bench_seal_worker.py`` measures the effect through vLLM's worker.
 HOT_BATCH_BYTES = 512 << 10
+#: ... unless the rows it names hold at most this many bytes: then the whole job is
+#: still in cache when its copy ends, and copying it as an unhashed job, then hashing
+#: its rows, costs less bookkeeping. Measured here (256-chunk jobs, one thread, rows
+#: hashed after the job / in batches, per copy alone): 2 MiB 0.80 / 0.68, 4 MiB 0.74 /
+#: 0.69, 8 MiB 0.72 / 0.72, 16 MiB 0.70 / 0.75, 64 MiB 0.68 / 0.79.
+COPY_THEN_HASH_BYTES = 4 << 20
 
 _pool_lock = threading.Lock()
 _thread_pool: ThreadPoolExecutor | None = None
@@ -113,8 +119,9 @@ class JobRuns(NamedTuple):
     lengths: np.ndarray
     pages: int  # pages the job addresses
     page_bytes: int  # bytes the job moves
-    #: The pool row of each run (``by_row`` runs only: none crosses a row), else None.
-    rows: np.ndarray | None = None
+    #: The pair (index into the job's pairs) each run starts at, for ``by_row`` runs
+    #: (none crosses a pool row), else None.
+    first_pairs: np.ndarray | None = None
 
 
 class RunBuilder:
@@ -168,7 +175,7 @@ class RunBuilder:
         by_row: bool = False,
     ) -> JobRuns:
         """The job's runs; arguments as for :func:`copy_pages`. ``by_row``: no run crosses
-        a pool row, and each run's row is returned (``JobRuns.rows``)."""
+        a pool row, and each run's first pair is returned (``JobRuns.first_pairs``)."""
         assert direction in (Direction.TO_POOL, Direction.FROM_POOL)
         parts: list[tuple[np.ndarray, ...]] = []
         pages = moved = 0
@@ -197,7 +204,7 @@ class RunBuilder:
                 part = (cache_starts, pool_starts, lengths)
             if by_row:
                 # Runs are numbered plane-major: run k starts at pair k % n of the group.
-                part += (pairs[lo:hi, 1][starts % (hi - lo)],)
+                part += (starts % (hi - lo) + lo,)
             parts.append(part)
             pages += cache.size
             moved += int(page.sum()) * (hi - lo)
@@ -208,8 +215,8 @@ class RunBuilder:
             columns = list(parts[0])
         else:
             columns = [np.concatenate(column) for column in zip(*parts, strict=True)]
-        rows = columns[3] if by_row else None
-        return JobRuns(columns[0], columns[1], columns[2], pages, moved, rows)
+        first_pairs = columns[3] if by_row else None
+        return JobRuns(columns[0], columns[1], columns[2], pages, moved, first_pairs)
 
 
 def copy_pages(
@@ -367,45 +374,55 @@ def copy_and_hash_pages(
     bounds = group_offsets.tolist()
     payload = layout.group_row_bytes
     if pairs.shape[0] <= SMALL_JOB_PAGES:
-        listed = pairs.tolist()
+        # A few pairs: the rows with Python ints, no numpy call.
         row_group: dict[int, int] = {}
+        listed = pairs.tolist()
         for group in range(len(bounds) - 1):
             for _, row, _ in listed[bounds[group] : bounds[group + 1]]:
                 row_group[row] = group
-        if sum(payload[g] for g in row_group.values()) <= HOT_BATCH_BYTES:
-            moved = copy_pages(
-                layout, pool_address, pool_row_bytes, pairs, group_offsets, direction, planes, runs
-            )
-            rows = sorted(row_group)
-            if not rows:
-                empty = np.zeros(0, dtype=np.int64)
-                return HashedCopy(moved, empty, empty.astype(np.uint64), 0.0)
-            lengths = [payload[row_group[row]] for row in rows]
-            started = time.perf_counter()
-            values = [
-                _digest(pool[row * pool_row_bytes : row * pool_row_bytes + length])
-                for row, length in zip(rows, lengths, strict=True)
-            ]
-            seconds = time.perf_counter() - started
-            return HashedCopy(moved, np.array(rows, np.int64), np.array(values, np.uint64), seconds)
+        row_list = sorted(row_group)
+        lengths = [payload[row_group[row]] for row in row_list]
+    else:
+        rows, pair_rows = np.unique(pairs[:, 1], return_inverse=True)
+        row_list = rows.tolist()
+        if len(set(payload)) == 1:
+            lengths = [payload[0]] * len(row_list)
+        else:
+            groups = np.repeat(np.arange(len(bounds) - 1, dtype=np.int64), np.diff(group_offsets))
+            row_lengths = np.empty(rows.size, dtype=np.int64)
+            row_lengths[pair_rows] = np.asarray(payload, np.int64)[groups]
+            lengths = row_lengths.tolist()
+    if sum(lengths) <= COPY_THEN_HASH_BYTES:
+        # The whole job is still in cache when its copy ends: copy it as an unhashed job
+        # (fewest runs, least bookkeeping), then hash its rows.
+        moved = copy_pages(
+            layout, pool_address, pool_row_bytes, pairs, group_offsets, direction, planes, runs
+        )
+        started = time.perf_counter()
+        values = [
+            _digest(pool[row * pool_row_bytes : row * pool_row_bytes + length])
+            for row, length in zip(row_list, lengths, strict=True)
+        ]
+        seconds = time.perf_counter() - started
+        return HashedCopy(moved, np.array(row_list, np.int64), np.array(values, np.uint64), seconds)
+    if pairs.shape[0] <= SMALL_JOB_PAGES:
+        rows, pair_rows = np.unique(pairs[:, 1], return_inverse=True)
     builder = RunBuilder(layout) if runs is None else runs
     job = builder.runs(
         pool_address, pool_row_bytes, pairs, group_offsets, direction, planes, by_row=True
     )
-    assert job.rows is not None
-    rows = np.unique(pairs[:, 1])
-    if rows.size == 0:
-        return HashedCopy(job.page_bytes, rows, np.zeros(0, np.uint64), 0.0)
-    groups = np.repeat(np.arange(len(bounds) - 1, dtype=np.int64), np.diff(group_offsets))
-    lengths = np.empty(rows.size, dtype=np.int64)
-    lengths[np.searchsorted(rows, pairs[:, 1])] = np.asarray(payload, np.int64)[groups]
-    # Runs in row order; rows cut into batches of about HOT_BATCH_BYTES (a row longer
-    # than that is a batch of its own), and each batch's runs found by its rows.
-    run_row = np.searchsorted(rows, job.rows)
+    assert job.first_pairs is not None
+    # Rows cut into batches of about HOT_BATCH_BYTES (a row longer than that is a batch
+    # of its own); runs in row order, each batch's runs found by its rows.
+    if len(set(lengths)) == 1:
+        per_batch = max(1, HOT_BATCH_BYTES // max(1, lengths[0]))
+        row_bounds = [*range(0, rows.size, per_batch), rows.size]
+    else:
+        ends = np.cumsum(lengths)
+        batch = (ends - np.asarray(lengths)) // HOT_BATCH_BYTES
+        row_bounds = [0, *(np.flatnonzero(np.diff(batch)) + 1).tolist(), rows.size]
+    run_row = pair_rows.reshape(-1)[job.first_pairs]
     order = np.argsort(run_row, kind="stable")
-    batch = (np.cumsum(lengths) - lengths) // HOT_BATCH_BYTES
-    row_bounds = np.flatnonzero(np.diff(batch)) + 1
-    row_bounds = np.concatenate([[0], row_bounds, [rows.size]])
     run_bounds = np.searchsorted(run_row[order], row_bounds)
     work = _HashWork(
         job.targets[order].tolist(),
@@ -413,12 +430,12 @@ def copy_and_hash_pages(
         job.lengths[order].tolist(),
         run_bounds.tolist(),
         (rows * pool_row_bytes).tolist(),
-        lengths.tolist(),
-        row_bounds.tolist(),
+        lengths,
+        row_bounds,
         pool,
         [0] * rows.size,
     )
-    batches = row_bounds.size - 1
+    batches = len(row_bounds) - 1
     threads = min(_threads_for(job), batches)
     if threads > 1:
         # Interleaved batches: each thread copies and hashes its own rows.
@@ -468,6 +485,7 @@ class _HashWork(NamedTuple):
 
 
 __all__ = [
+    "COPY_THEN_HASH_BYTES",
     "HOT_BATCH_BYTES",
     "SMALL_JOB_PAGES",
     "HashedCopy",
