@@ -13,8 +13,14 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
+import stat
+import subprocess
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -43,6 +49,8 @@ try:
     from vllm.v1.kv_offload.config import OffloadingConfig
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory
     from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
+
+    from triton_offload.vllm.tiers import check_secondary_tiers, ensure_private_fs_roots
 
     VLLM_ERROR: str | None = None
 except ImportError as error:  # pragma: no cover - exercised where vllm is absent
@@ -246,3 +254,127 @@ def test_manager_shutdown_releases_the_region(
         manager.shutdown()
     assert not [r for r in caplog.records if "mapped" in r.getMessage()]
     assert not os.path.exists(path)
+
+
+# ------------------------------------------------------------ private fs tiers
+
+
+@pytest.fixture
+def open_parent() -> Iterator[Path]:
+    """A folder every local user may enter (0755, in the system's temporary folder): a
+    tier root inside it is private only by its own mode (pytest's own folders are 0700,
+    which would hide any mistake below them)."""
+    parent = Path(tempfile.mkdtemp(prefix="triton-offload-tiers-"))
+    parent.chmod(0o755)
+    try:
+        yield parent
+    finally:
+        shutil.rmtree(parent)
+
+
+def fs_tiers(root: Path) -> list[dict[str, Any]]:
+    return [{"type": "fs", "root_dir": str(root), "n_read_threads": 1, "n_write_threads": 1}]
+
+
+def test_an_absent_fs_root_is_created_for_the_engine_user_alone(open_parent: Path) -> None:
+    """Even under a umask that lets everyone in, the root the spec creates is 0700 and
+    the engine user's; vLLM's tier then writes its folders inside it."""
+    root = open_parent / "cache" / "fs"
+    previous = os.umask(0)
+    try:
+        spec = OffloadingSpecFactory.create_spec(make_config(root, tiers=fs_tiers(root)))
+        manager = spec.get_manager()
+        manager.shutdown()
+    finally:
+        os.umask(previous)
+    status = root.stat()
+    assert (stat.S_IMODE(status.st_mode), status.st_uid) == (0o700, os.geteuid())
+    assert [p.name for p in root.iterdir() if (p / "config.json").exists()]
+
+
+@pytest.mark.parametrize("mode", [0o755, 0o750, 0o705, 0o701, 0o710, 0o770, 0o777])
+def test_an_fs_root_other_users_can_reach_is_refused_naming_it(tmp_path: Path, mode: int) -> None:
+    """Refused before vLLM writes anything into it: the message names the key, the folder,
+    its mode and the command that makes it private."""
+    root = tmp_path / "fs"
+    root.mkdir()
+    root.chmod(mode)
+    key = r"kv_connector_extra_config\['secondary_tiers'\]\[0\]\['root_dir'\]"
+    with pytest.raises(ValueError, match=rf"{key} '{root}' has mode 0o{mode:o}: .*chmod 700"):
+        OffloadingSpecFactory.create_spec(make_config(root, tiers=fs_tiers(root)))
+    assert list(root.iterdir()) == []
+    # Under canonical_layout too (the rows are stock vLLM's bytes, the prompts the same).
+    with pytest.raises(ValueError, match=rf"has mode 0o{mode:o}"):
+        check_secondary_tiers(fs_tiers(root), "TritonTieringOffloadingSpec", canonical=True)
+
+
+def test_an_fs_root_of_another_user_a_file_or_an_impossible_folder_is_refused(
+    tmp_path: Path,
+) -> None:
+    key = r"kv_connector_extra_config\['secondary_tiers'\]\[1\]\['root_dir'\]"
+    tiers = [{"type": "p2p", "host": "127.0.0.1", "port": 1}]
+    a_file = tmp_path / "file"
+    a_file.write_bytes(b"x")
+    with pytest.raises(ValueError, match=rf"{key} '{a_file}' is not a folder"):
+        ensure_private_fs_roots([*tiers, {"type": "fs", "root_dir": str(a_file)}])
+    with pytest.raises(ValueError, match=rf"{key} is empty: vLLM's fs tier would write into /"):
+        ensure_private_fs_roots([*tiers, {"type": "fs", "root_dir": ""}])
+    below_a_file = a_file / "fs"
+    with pytest.raises(ValueError, match=rf"{key} '{below_a_file}': cannot create it \("):
+        ensure_private_fs_roots([*tiers, {"type": "fs", "root_dir": str(below_a_file)}])
+    if os.geteuid() != 0:
+        pytest.skip("a folder of another user needs root to make")
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o700)
+    os.chown(theirs, 12345, -1)
+    with pytest.raises(ValueError, match=rf"{key} '{theirs}' belongs to uid 12345, not to"):
+        ensure_private_fs_roots([*tiers, {"type": "fs", "root_dir": str(theirs)}])
+
+
+def can_read_as_nobody(path: Path) -> bool:
+    """Whether a process of the unprivileged user ``nobody`` (uid 65534) reads ``path``:
+    the kernel's own permission check, independent of this code."""
+    reader = shutil.which("head")
+    assert reader is not None, "coreutils' head is needed to read as another user"
+    result = subprocess.run(
+        [reader, "-c", "1", str(path)], user=65534, group=65534, capture_output=True, cwd="/"
+    )
+    return result.returncode == 0
+
+
+def test_no_other_local_user_reads_a_chunk_the_fs_tier_wrote(open_parent: Path) -> None:
+    """A chunk stored through vLLM's fs tier under this spec (files 0644, folders 0755 as
+    vLLM makes them) cannot be read by another local user: the root keeps them out. The
+    same file under a root opened to others is read: the judge can tell."""
+    if os.geteuid() != 0:
+        pytest.skip("acting as another local user needs root")
+    root = open_parent / "fs"
+    spec = OffloadingSpecFactory.create_spec(make_config(root, tiers=fs_tiers(root)))
+    manager = spec.get_manager()
+    planes = [torch.ones(NUM_BLOCKS, PLANE_BYTES, dtype=torch.int8) for _ in range(2)]
+    caches = CanonicalKVCaches(
+        tensors=[CanonicalKVCacheTensor(p, PLANE_BYTES) for p in planes],
+        group_data_refs=[
+            [CanonicalKVCacheRef(0, PLANE_BYTES), CanonicalKVCacheRef(1, PLANE_BYTES)]
+        ],
+    )
+    worker = spec.get_worker(caches)
+    context = ReqContext(req_id="request")
+    manager.on_new_request(context)
+    key = make_offload_key(b"private-chunk", 0)
+    try:
+        out = manager.prepare_store([key], context)
+        assert out is not None
+        assert worker.submit_store(1, GPULoadStoreSpec([3, 8], [2], [0]), out.store_spec)
+        _finish(worker, 1)
+        manager.complete_store([key], context)
+        _settle(manager)
+        chunk = Path(manager.secondary_tiers[0].file_mapper.get_file_name(key))
+        assert chunk.exists()
+    finally:
+        worker.shutdown()
+        manager.shutdown()
+    assert stat.S_IMODE(chunk.stat().st_mode) & 0o004  # vLLM's own file mode: 0644
+    assert not can_read_as_nobody(chunk)
+    root.chmod(0o755)
+    assert can_read_as_nobody(chunk)

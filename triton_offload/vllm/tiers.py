@@ -6,6 +6,11 @@ instances that write the same bytes: :func:`storage_layout_tag` names that layou
 :func:`check_secondary_tiers` refuses tiers that cannot carry the name. Under vLLM's
 ``canonical_layout`` the rows are stock vLLM's canonical bytes: no tag, and the KVCR tier
 is accepted (it shares chunks with stock instances, which write the same bytes).
+
+An fs tier's root is the engine user's alone (:func:`ensure_private_fs_roots`): vLLM's
+fs tier creates its folders 0755 and its chunk files 0644 under the process umask, and
+a chunk's KV gives away its prompt, so the root is where other local users are kept
+out (created 0700 when absent; refused, naming it, when group or others may enter it).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import stat
 import tempfile
 from collections.abc import Mapping
 from typing import Any
@@ -150,8 +156,76 @@ def planes_tag(notes: list[str] | None) -> str:
     return "planes-" + digest8("\n".join(notes)).hex()
 
 
+def _root_key(index: int) -> str:
+    return f"kv_connector_extra_config['secondary_tiers'][{index}]['root_dir']"
+
+
+def ensure_private_fs_roots(tiers: Any) -> None:
+    """Make every fs tier's ``root_dir`` a folder only this process's user can enter, or
+    refuse it (ValueError naming the key, the folder and what is wrong) before vLLM's
+    tier writes anything into it.
+
+    Why the root: vLLM's fs tier (``vllm/v1/kv_offload/tiering/fs/io.py`` and
+    ``manager.py``) creates its folders with ``os.makedirs`` (0777 less the umask) and
+    its chunk files with mode 0644, and offers no setting for either; everything it
+    writes lies below ``root_dir``. A root of mode 0700 owned by the engine's user keeps
+    every other local user from listing, reading or writing any of it whatever the
+    modes below. So an absent root is created 0700 (its missing parents as vLLM would
+    create them), and an existing one is refused when it is not a folder, belongs to
+    another user (who reads every chunk) or grants group or others any permission (mode
+    bits 0o077: read lists the chunks, write replaces them, search alone reaches the
+    files vLLM makes readable to all, whose names follow from a guessed prompt).
+
+    Entries of other types, and an ``fs`` entry whose ``root_dir`` is not a string, are
+    left to vLLM's own checks.
+    """
+    if not isinstance(tiers, list):
+        return
+    for index, tier in enumerate(tiers):
+        if not isinstance(tier, Mapping) or tier.get("type") != "fs":
+            continue
+        root = tier.get("root_dir")
+        if isinstance(root, str):
+            _ensure_private_folder(root, _root_key(index))
+
+
+def _ensure_private_folder(root: str, key: str) -> None:
+    if not root:
+        raise ValueError(f"{key} is empty: vLLM's fs tier would write into /; name a folder")
+    if not os.path.lexists(root):
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(root)), exist_ok=True)
+            # Another process of the engine may create it meanwhile: checked below.
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(root, 0o700)  # the umask only takes bits away
+        except OSError as error:
+            reason = error.strerror or str(error)
+            raise ValueError(f"{key} {root!r}: cannot create it ({reason})") from None
+    try:
+        status = os.stat(root)
+    except OSError as error:
+        raise ValueError(f"{key} {root!r}: cannot read it ({error.strerror or error})") from None
+    if not stat.S_ISDIR(status.st_mode):
+        raise ValueError(f"{key} {root!r} is not a folder")
+    user = os.geteuid()
+    if status.st_uid != user:
+        raise ValueError(
+            f"{key} {root!r} belongs to uid {status.st_uid}, not to this engine's user (uid "
+            f"{user}): its owner can read every chunk (and so learn the prompts) and replace "
+            "it; give the engine a folder of its own, mode 0700"
+        )
+    mode = stat.S_IMODE(status.st_mode)
+    if mode & 0o077:
+        raise ValueError(
+            f"{key} {root!r} has mode 0o{mode:o}: other local users may enter it, and vLLM's "
+            "fs tier writes its chunk files readable by all (their KV gives away the "
+            f"prompts; a writer can replace them); make it private: chmod 700 {root}"
+        )
+
+
 def check_secondary_tiers(tiers: Any, spec_name: str, *, canonical: bool = False) -> None:
-    """Refuse tiers whose chunks could be shared with another layout (ValueError).
+    """Refuse tiers whose chunks could be shared with another layout (ValueError), and fs
+    roots other local users could enter (:func:`ensure_private_fs_roots`, every layout).
 
     A tier outside :data:`TAGGED_TIERS` and :data:`UNTAGGABLE_TIERS` (an out-of-tree
     tier) is let through with a warning: it is kept apart only if it files chunks with
@@ -159,6 +233,7 @@ def check_secondary_tiers(tiers: Any, spec_name: str, *, canonical: bool = False
     ``canonical`` (vLLM's ``canonical_layout``: the rows are stock vLLM's bytes) every
     tier vLLM's tiering spec takes is accepted, the KVCR tier included.
     """
+    ensure_private_fs_roots(tiers)
     if not isinstance(tiers, list) or canonical:
         return  # vLLM's tiering spec raises its own error for a non-list
     for index, tier in enumerate(tiers):
@@ -191,6 +266,7 @@ __all__ = [
     "TAGGED_TIERS",
     "UNTAGGABLE_TIERS",
     "check_secondary_tiers",
+    "ensure_private_fs_roots",
     "notes_are_stock",
     "plane_notes",
     "rows_are_stock",
