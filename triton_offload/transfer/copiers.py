@@ -26,6 +26,7 @@ import abc
 import dataclasses
 import math
 import os
+import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -38,7 +39,7 @@ import torch
 from triton_offload.transfer import cpu_copy
 from triton_offload.transfer.batch_copy import BatchCopy
 from triton_offload.transfer.checksums import gap_ranges
-from triton_offload.transfer.jobs import PairTable, validate_pairs, writer_parts
+from triton_offload.transfer.jobs import Direction, PairTable, validate_pairs, writer_parts
 from triton_offload.transfer.layout import CacheLayout, check_int, check_pool_placement
 
 #: Pinned staging buffers kept for pair tables; more in-flight jobs than this wait
@@ -140,6 +141,280 @@ class HostCopier(Copier):
         return run
 
 
+@dataclass(frozen=True, eq=False)
+class _PlaneClass:
+    """Planes of one group sharing a block stride, a page and a pool slot stride.
+
+    Whether two consecutive pairs of a job form one run depends only on these three
+    numbers and the pairs, so one run pattern (O(pairs) numpy) serves every plane of
+    the class; each plane then differs only by its cache base and its pool offset.
+    """
+
+    block_stride: int
+    page_bytes: int
+    slot_stride: int
+    bases: np.ndarray  # int64 [k, 1]: cache address of block 0 of each plane
+    offsets: np.ndarray  # int64 [k, 1]: each plane's pool_offset
+    positions: np.ndarray  # int64 [k]: each plane's position among its group's planes
+
+
+@dataclass(frozen=True, eq=False)
+class _GroupPlanes:
+    """A group's planes in a plane subset, by class; ``class_of`` maps each plane (in
+    plane order) to its class."""
+
+    count: int
+    classes: tuple[_PlaneClass, ...]
+    class_of: np.ndarray
+
+
+class DescriptorBuffers:
+    """One set of a DMA job's descriptor arrays, allocated once and reused.
+
+    ``targets``/``sources``/``lengths`` are int64 (handed to the driver as uint64 views);
+    ``values``/``indices`` are the scratch of a group whose planes fall in several
+    classes (its runs are computed class by class and scattered into plane order).
+    Arrays grow (to at least twice their size) when a larger job arrives and never
+    shrink: a fresh array per job costs a page fault per 4 KiB on first touch, which
+    made the build superlinear in the job (0.17 ms at 256 blocks x 64 planes, 1.4 ms at
+    1,024; ``bench/suites/bench_descriptors.py``).
+    """
+
+    MIN_CAPACITY = 1 << 12
+
+    def __init__(self) -> None:
+        self.targets = self.sources = self.lengths = np.zeros(0, dtype=np.int64)
+        self.values = self.indices = np.zeros(0, dtype=np.int64)
+        self.in_use = False
+
+    @property
+    def capacity(self) -> int:
+        return int(self.lengths.size)
+
+    def reserve(self, count: int) -> None:
+        """Room for ``count`` descriptors (the contents are not kept)."""
+        if count > self.lengths.size:
+            size = max(count, 2 * self.lengths.size, self.MIN_CAPACITY)
+            self.targets, self.sources, self.lengths = (
+                np.empty(size, dtype=np.int64) for _ in range(3)
+            )
+
+    def scratch(self, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """``values``/``indices`` with room for ``count`` entries."""
+        if count > self.values.size:
+            size = max(count, 2 * self.values.size, self.MIN_CAPACITY)
+            self.values, self.indices = (np.empty(size, dtype=np.int64) for _ in range(2))
+        return self.values, self.indices
+
+
+class DescriptorPool:
+    """Descriptor sets shared by the jobs of one copier, each held by one job at a time.
+
+    A job takes a set in ``prepare`` and gives it back once its driver call returned
+    (the driver reads the descriptors during the call, ``batch_copy``), or when the job's
+    holds are released if its call never ran. Lanes preparing jobs concurrently (one
+    thread per lane on CPU; several stages and jobs prepared before their calls run in a
+    layer-staged load) each hold their own set: the pool grows to the number held at
+    once and keeps them.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: list[DescriptorBuffers] = []
+        self._held = 0
+
+    def acquire(self) -> DescriptorBuffers:
+        with self._lock:
+            buffers = self._free.pop() if self._free else DescriptorBuffers()
+            buffers.in_use = True
+            self._held += 1
+        return buffers
+
+    def release(self, buffers: DescriptorBuffers) -> None:
+        """Give ``buffers`` back; a second release of the same hold does nothing."""
+        with self._lock:
+            if buffers.in_use:
+                buffers.in_use = False
+                self._held -= 1
+                self._free.append(buffers)
+
+    @property
+    def held(self) -> int:
+        """Sets taken by jobs and not given back yet."""
+        with self._lock:
+            return self._held
+
+    @property
+    def free(self) -> int:
+        """Sets waiting for the next job."""
+        with self._lock:
+            return len(self._free)
+
+
+class DescriptorBuilder:
+    """The merged runs of a DMA job, written into a :class:`DescriptorBuffers` set.
+
+    Runs are the CPU path's (``cpu_copy``): per group, per plane, the pairs in order;
+    consecutive pairs are one run when their pages are adjacent on both sides (cache
+    address and pool address each one page further). Ordered by writer part, group,
+    plane, pair. Work per group: O(pairs) numpy per plane class (usually one: every
+    plane of a group of K/V layers has the same strides), then one broadcast per output
+    array over (planes x runs), written in place; no array of the job's size is
+    allocated.
+    """
+
+    def __init__(self, layout: CacheLayout, pool_address: int, row_stride: int) -> None:
+        self.layout = layout
+        self.pool_address = pool_address
+        self.row_stride = row_stride
+        self._plans: dict[tuple[int, ...] | None, tuple[_GroupPlanes | None, ...]] = {}
+
+    def _groups(self, planes: Sequence[int] | None) -> tuple[_GroupPlanes | None, ...]:
+        key = None if planes is None else tuple(sorted(planes))
+        plan = self._plans.get(key)
+        if plan is None:
+            wanted = None if key is None else frozenset(key)
+            groups: list[_GroupPlanes | None] = []
+            for members in self.layout.group_planes:
+                chosen = [self.layout.planes[i] for i in members if wanted is None or i in wanted]
+                if not chosen:
+                    groups.append(None)
+                    continue
+                keys: dict[tuple[int, int, int], list[int]] = {}
+                for position, plane in enumerate(chosen):
+                    geometry = (plane.block_stride, plane.page_bytes, plane.pool_slot_stride)
+                    keys.setdefault(geometry, []).append(position)
+                class_of = np.zeros(len(chosen), dtype=np.int64)
+                classes = []
+                for number, ((stride, page, slot_stride), positions) in enumerate(keys.items()):
+                    class_of[positions] = number
+                    classes.append(
+                        _PlaneClass(
+                            block_stride=stride,
+                            page_bytes=page,
+                            slot_stride=slot_stride,
+                            bases=np.array(
+                                [chosen[i].base_address for i in positions], dtype=np.int64
+                            )[:, None],
+                            offsets=np.array(
+                                [chosen[i].pool_offset for i in positions], dtype=np.int64
+                            )[:, None],
+                            positions=np.array(positions, dtype=np.int64),
+                        )
+                    )
+                groups.append(_GroupPlanes(len(chosen), tuple(classes), class_of))
+            plan = self._plans[key] = tuple(groups)
+        return plan
+
+    def build(
+        self, buffers: DescriptorBuffers, table: PairTable, direction: int, planes: PlaneSubset
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(targets, sources, lengths) of every merged run of the job: uint64 views of
+        ``buffers``, valid until the set is next written. A store's slots that another
+        rank writes are left out (writer rotation)."""
+        assert direction in (Direction.TO_POOL, Direction.FROM_POOL)
+        parts = [
+            (part, self._groups(subset))
+            for part, subset in writer_parts(
+                self.layout, table, direction, _planes_of(self.layout, planes)
+            )
+        ]
+        # At most one run per page: the bound sizes the set before anything is written.
+        bound = 0
+        for part, groups in parts:
+            sizes = np.diff(part.offsets).tolist()
+            bound += sum(n * g.count for n, g in zip(sizes, groups, strict=True) if g is not None)
+        buffers.reserve(bound)
+        count = 0
+        for part, groups in parts:
+            count = self._fill(buffers, count, part, direction, groups)
+        assert count <= bound
+        return (
+            buffers.targets[:count].view(np.uint64),
+            buffers.sources[:count].view(np.uint64),
+            buffers.lengths[:count].view(np.uint64),
+        )
+
+    def _fill(
+        self,
+        buffers: DescriptorBuffers,
+        count: int,
+        table: PairTable,
+        direction: int,
+        groups: tuple[_GroupPlanes | None, ...],
+    ) -> int:
+        pairs, offsets = table
+        bounds = offsets.tolist()
+        if direction == Direction.TO_POOL:
+            cache_side, pool_side = buffers.sources, buffers.targets
+        else:
+            cache_side, pool_side = buffers.targets, buffers.sources
+        lengths = buffers.lengths
+        for group, planes in enumerate(groups):
+            lo, hi = bounds[group], bounds[group + 1]
+            if planes is None or lo == hi:
+                continue
+            blocks = pairs[lo:hi, 0]
+            slots = pairs[lo:hi, 2]
+            rows = pairs[lo:hi, 1] * self.row_stride + self.pool_address
+            steps = (np.diff(blocks), np.diff(rows), np.diff(slots))
+            patterns = [_run_pattern(c, blocks, rows, slots, steps) for c in planes.classes]
+            if len(patterns) == 1:
+                (plane_class,) = planes.classes
+                cache, pool, length = patterns[0]
+                runs, k = cache.size, planes.count
+                end = count + k * runs
+                np.add(plane_class.bases, cache, out=cache_side[count:end].reshape(k, runs))
+                np.add(plane_class.offsets, pool, out=pool_side[count:end].reshape(k, runs))
+                lengths[count:end].reshape(k, runs)[:] = length
+                count = end
+                continue
+            # Several classes: each plane's runs go to its place in plane order.
+            per_plane = np.array([p[0].size for p in patterns], dtype=np.int64)[planes.class_of]
+            firsts = np.cumsum(per_plane) - per_plane + count
+            for plane_class, (cache, pool, length) in zip(planes.classes, patterns, strict=True):
+                runs, k = cache.size, plane_class.positions.size
+                values, indices = buffers.scratch(k * runs)
+                where = indices[: k * runs].reshape(k, runs)
+                value = values[: k * runs].reshape(k, runs)
+                np.add(firsts[plane_class.positions][:, None], np.arange(runs), out=where)
+                np.add(plane_class.bases, cache, out=value)
+                cache_side[where] = value
+                np.add(plane_class.offsets, pool, out=value)
+                pool_side[where] = value
+                lengths[where] = length
+            count += int(per_plane.sum())
+        return count
+
+
+def _run_pattern(
+    plane_class: _PlaneClass,
+    blocks: np.ndarray,
+    rows: np.ndarray,
+    slots: np.ndarray,
+    steps: tuple[np.ndarray, np.ndarray, np.ndarray],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The runs of one plane class over a group's pairs, without the per-plane terms:
+    (cache offset from the plane's base, pool address less the plane's pool_offset,
+    bytes) of each run's first page, int64 1-D. ``rows``: each pair's pool row address;
+    ``steps``: the differences of blocks, row addresses and slots between neighbours."""
+    stride, page, slot_stride = (
+        plane_class.block_stride,
+        plane_class.page_bytes,
+        plane_class.slot_stride,
+    )
+    block_steps, row_steps, slot_steps = steps
+    # A pair continues the run of the one before it when both its pages are the next
+    # page on each side: block step x stride == page and row step + slot step x slot
+    # stride == page.
+    joins = (block_steps * stride == page) & (row_steps + slot_steps * slot_stride == page)
+    if not joins.any():
+        return blocks * stride, rows + slots * slot_stride, np.full(blocks.size, page)
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    pages = np.diff(np.append(starts, blocks.size))
+    return blocks[starts] * stride, rows[starts] + slots[starts] * slot_stride, pages * page
+
+
 class DmaCopier(Copier):
     """The copy-engine path: the job's merged runs, one batched driver call per job.
 
@@ -173,53 +448,52 @@ class DmaCopier(Copier):
             if batch is not None
             else (fallback_reason or "per-run cudaMemcpyAsync loop")
         )
-        self._runs = cpu_copy.RunBuilder(layout)
+        self._builder = DescriptorBuilder(layout, pool_address, row_stride)
+        self.descriptor_pool = DescriptorPool()
         self.last_copy_count = 0
         self.last_call_count = 0
 
     def descriptors(
         self, table: PairTable, direction: int, planes: PlaneSubset
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(targets, sources, lengths) of every merged run of the job: uint64 arrays.
+        """(targets, sources, lengths) of every merged run of the job: uint64 arrays of
+        their own (``prepare`` writes into the copier's reused sets instead).
 
-        The CPU path's runs (same addresses, same merging), built with a fixed number
-        of numpy calls per group whatever the number of planes; a store's slots that
-        another rank writes are left out (writer rotation).
+        The CPU path's runs (same addresses, same merging; see
+        :class:`DescriptorBuilder`); a store's slots that another rank writes are left
+        out (writer rotation).
         """
-        parts = [
-            self._runs.runs(
-                self.pool_address, self.row_stride, part.pairs, part.offsets, direction, subset
-            )
-            for part, subset in writer_parts(
-                self.layout, table, direction, _planes_of(self.layout, planes)
-            )
-        ]
-        if len(parts) == 1:
-            targets, sources, lengths = parts[0].targets, parts[0].sources, parts[0].lengths
-        else:
-            targets, sources, lengths = (
-                np.concatenate([np.zeros(0, np.int64), *(getattr(runs, name) for runs in parts)])
-                for name in ("targets", "sources", "lengths")
-            )
-        return targets.view(np.uint64), sources.view(np.uint64), lengths.view(np.uint64)
+        return self._builder.build(DescriptorBuffers(), table, direction, planes)
 
     def prepare(
         self, table: PairTable, direction: int, planes: PlaneSubset, holds: JobHolds, stream: Any
     ) -> Callable[[], None]:
-        targets, sources, lengths = self.descriptors(table, direction, planes)
+        pool = self.descriptor_pool
+        buffers = pool.acquire()
+        try:
+            targets, sources, lengths = self._builder.build(buffers, table, direction, planes)
+        except BaseException:
+            pool.release(buffers)
+            raise
         handle = 0 if stream is None else int(stream.cuda_stream)
         count = int(lengths.size)
         batch = self.batch
         if batch is not None:
-            holds.keep_alive.append((targets, sources, lengths))
+            # Given back after the driver call (which reads the descriptors during the
+            # call), or with the job's holds if the call never runs.
+            holds.releases.append(lambda event: pool.release(buffers))
 
             def run_batch() -> None:
-                batch(targets, sources, lengths, handle)
+                try:
+                    batch(targets, sources, lengths, handle)
+                finally:
+                    pool.release(buffers)
                 self.last_copy_count, self.last_call_count = count, int(count > 0)
 
             return run_batch
         copy = self.api.memcpy_async
         runs = (targets.tolist(), sources.tolist(), lengths.tolist())
+        pool.release(buffers)
 
         def run_loop() -> None:
             for target, source, length in zip(*runs, strict=True):
@@ -767,6 +1041,9 @@ __all__ = [
     "MAX_NUM_PROGRAMS",
     "MAX_STAGING_BUFFERS",
     "Copier",
+    "DescriptorBuffers",
+    "DescriptorBuilder",
+    "DescriptorPool",
     "DmaCopier",
     "HostCopier",
     "JobHolds",
