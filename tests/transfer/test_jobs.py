@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import re
+from typing import Any
 
 import numpy as np
 import pytest
@@ -10,7 +12,7 @@ import torch
 
 from triton_offload.transfer import jobs
 from triton_offload.transfer.copiers import copy_blocks
-from triton_offload.transfer.jobs import Direction
+from triton_offload.transfer.jobs import Direction, JobSpec
 from triton_offload.transfer.layout import CacheLayout, Plane
 from triton_offload.transfer.reference import byte_plane
 
@@ -298,3 +300,32 @@ def test_clash_between_groups_that_are_not_neighbours_in_a_row() -> None:
     with pytest.raises(ValueError, match="pool row 4 is written by groups 0 and 2"):
         check(layout, pairs, [0, 1, 2, 3], Direction.TO_POOL)
     check(layout, [[1, 4, 0], [2, 4, 1], [3, 5, 1]], [0, 1, 2, 3], Direction.TO_POOL)
+
+
+@pytest.mark.parametrize(
+    "ids",
+    [[3, 0, 7], np.array([3, 0, 7], dtype=np.int32), torch.tensor([3, 0, 7]), (3, 0, 7)],
+    ids=["list-of-ints", "int32-array", "tensor", "tuple"],
+)
+def test_a_job_spec_takes_ids_in_any_integer_form_as_read_only_int64(ids: Any) -> None:
+    spec = JobSpec([ids], [ids])
+    for array in (spec.gpu_blocks[0], spec.host_blocks[0]):
+        assert array.dtype == np.int64 and array.tolist() == [3, 0, 7]
+        assert not array.flags.writeable
+    if isinstance(ids, list):
+        ids[0] = 99  # the spec keeps its own copy
+        assert spec.gpu_blocks[0].tolist() == [3, 0, 7]
+
+
+@pytest.mark.parametrize(
+    ("ids", "error", "message"),
+    [
+        ([1, -2], ValueError, "GPU block id -2 of group 0 is negative"),
+        ([1, 1 << 63], ValueError, f"id {1 << 63} does not fit in a 64-bit signed id"),
+        ([1, True], TypeError, "got bool True at index 1"),
+        ([1, 2.0], TypeError, "must hold integer ids"),
+    ],
+)
+def test_a_list_of_ids_is_refused_naming_the_bad_id(ids: list, error: type, message: str) -> None:
+    with pytest.raises(error, match=re.escape(message)):
+        JobSpec([ids], [[0]])
