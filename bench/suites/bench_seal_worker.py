@@ -5,7 +5,9 @@ from one config (backend "torch": the CPU path); store and load jobs of 256 chun
 submitted and collected with ``get_finished`` in alternated rounds, medians reported,
 at worker pages of 8 KiB and 256 KiB. Each row prints and stores in ``extra_info``
 GB/s unverified and verified and ``ratio`` = verified speed / unverified speed.
-``bench_seal.py`` measures the engine alone on every path. Needs vLLM.
+``bench_seal.py`` measures the engine alone on every path. A last row times 1-chunk
+loads (8 KiB pages), verified and not, and prints the difference of their medians: the
+fixed cost of verifying a load (goal: at most 60 us). Needs vLLM.
 
 Run: ``python -m pytest bench/suites/bench_seal_worker.py --benchmark-enable -s``;
 without ``--benchmark-enable`` a few small rounds run as a smoke test.
@@ -149,6 +151,28 @@ def test_worker_verification_cost(benchmark: Any, page: int, direction: str) -> 
         times = alternate(run, rounds)
         report(benchmark, f"worker {direction}, {page >> 10} KiB pages", page * chunks, times)
         # Every verified load checked its pages from the checksums its copy computed.
+        assert verified.worker.sealer.host_checked_pages == 0
+    finally:
+        plain.close()
+        verified.close()
+
+
+ONE_CHUNK_ROUNDS = 300
+
+
+@pytest.mark.skipif(VLLM_ERROR is not None, reason=VLLM_ERROR or "")
+def test_worker_one_chunk_load_verification_cost(benchmark: Any) -> None:
+    page = 8 << 10
+    rounds = SMOKE_ROUNDS if benchmark.disabled else ONE_CHUNK_ROUNDS
+    plain, verified = WorkerJobs(page, 1, False), WorkerJobs(page, 1, True)
+    try:
+        plain.store()
+        verified.store()
+        benchmark.group = "verification, vLLM worker, CPU path, 1-chunk load"
+        benchmark.pedantic(verified.load, rounds=1, iterations=1)
+        times = alternate({"unverified": plain.load, "verified": verified.load}, rounds)
+        extra_us = (times["verified"] - times["unverified"]) * 1e6
+        report(benchmark, "worker load, 1 chunk of 8 KiB", page, times, extra_us=round(extra_us, 1))
         assert verified.worker.sealer.host_checked_pages == 0
     finally:
         plain.close()
