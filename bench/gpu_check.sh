@@ -15,7 +15,9 @@
 #   grid-sweep  num_programs x tile size on the hybrid presets (each point
 #               written as it is measured)                                          40 s
 #   sweep       page size x pages per job (sweep only)                              30 s
-#   summary     results, archive                                                    10 s
+#   summary     results (bench_seal.py's CUDA verification rows judged by
+#               bench/gpu_check.py: verified / unverified against 0.95, host CPU
+#               s per verified GB), archive                                         10 s
 #
 # Usage: bench/gpu_check.sh OUTPUT_DIR [--dry-run | --plan]
 #
@@ -49,7 +51,8 @@
 #
 # OUTPUT_DIR never holds more than 8 files (a remote runner may return no more):
 #   summary.txt          steps (exit code, seconds), plan, versions, nvidia-smi, install,
-#                        each test file, the calibration and the kernel's registers
+#                        each test file, the calibration, the kernel's registers and the
+#                        verification cost on CUDA
 #   gpu-tests.xml/.log   the CUDA tests (junit XML of every file merged; a file killed
 #                        by its time limit appears as one error) and their -v logs
 #   presets-report.md    bench report of the preset step
@@ -545,6 +548,19 @@ step grid-sweep "$(cap_of grid-sweep)" "$work/grid-sweep.log" "$py" -m triton_of
 bench sweep --sweep-only "${sweep_args[@]}"
 
 # --- summary -------------------------------------------------------------------------------
+# bench_seal.py's CUDA rows judged by bench/gpu_check.py: verified / unverified speed
+# against its goal (under it: reported, not failed) and host CPU seconds per verified GB.
+# A passed case without its row, or a row that does not parse, fails the check.
+verification=""
+if [ -f "$out/gpu-tests.log" ]; then
+  verification=$(cd "$run_dir" && timeout 10 "$py" -m triton_offload.bench.gpu_check \
+    verification "$out/gpu-tests.log" 2>&1)
+  verification_rc=$?
+  if [ "$verification_rc" != 0 ]; then
+    status=1
+    verification+=$'\n'"  (bench/gpu_check.py verification exited $verification_rc)"
+  fi
+fi
 {
   echo "--- results"
   f="$out/gpu-tests.log"
@@ -552,11 +568,7 @@ bench sweep --sweep-only "${sweep_args[@]}"
     echo "gpu-tests:"
     grep -E '^=+ .*(passed|failed|error|skipped|no tests ran).* =+$' "$f" | sed 's/^/  /'
     grep -E '^(FAILED|ERROR) |Timeout' "$f" | head -20 | sed 's/^/  /'
-    # bench_seal.py's rows: verified vs unverified speed and host CPU s per verified GB.
-    if grep -qE '^engine cuda .* ratio' "$f"; then
-      echo "verification (bench/suites/bench_seal.py, verified / unverified speed):"
-      grep -E '^engine cuda .* ratio' "$f" | sed 's/^/  /'
-    fi
+    [ -n "$verification" ] && printf '%s\n' "$verification"
     # bench_layerwise.py: time to first token of a sync-loaded hit, whole-job vs layer-wise.
     grep -E '^layer-wise cuda:' "$f" | sed 's/^/  /'
   fi

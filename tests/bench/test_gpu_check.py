@@ -139,6 +139,11 @@ def test_dry_run_runs_every_step_through_the_shim(tmp_path: Path) -> None:
         assert re.search(rf"^  {re.escape(file)} rc=0 \d+ s$", summary, re.M), summary
     assert "calibration     not run: needs CUDA" in summary
     assert "kernel: not compiled: no CUDA device here" in summary
+    assert re.search(
+        r"^verification on cuda .*: not measured: its CUDA cases skipped \(needs a CUDA device\)$",
+        summary,
+        re.M,
+    ), summary
     # The launch-grid sweep ran (interpreted) and the summary states what it would pick.
     assert "grid sweep picks num_programs=" in summary
     assert "choice per-plane vs per-job: not run (needs CUDA copy engines)" in summary
@@ -306,3 +311,183 @@ def test_caps_and_steps_from_the_environment_are_checked(tmp_path: Path) -> None
     ):
         done = _run(tmp_path, str(tmp_path / "out"), "--dry-run", env_extra=env)
         assert done.returncode == 2 and named in done.stderr, (env, done.stderr)
+
+
+# --------------------------------------------- the verification summary (bench/gpu_check.py)
+
+#: bench_seal.py's CUDA cases: (path, direction, page KiB) of each.
+SEAL_CASES = [
+    (path, direction, page)
+    for direction in ("store", "load")
+    for page in (8, 256)
+    for path in ("triton", "dma", "auto")
+]
+
+
+def _seal_row(path: str, direction: str, page: int, plain_s: float, verified_s: float) -> str:
+    """The row bench_seal.py prints for one CUDA case, printed by the bench's own report."""
+    import contextlib
+    import io
+    from types import SimpleNamespace
+
+    from triton_offload.bench.alternate import report
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        report(
+            SimpleNamespace(extra_info={}),
+            f"engine cuda {path} {direction}, {page} KiB pages",
+            page * 1024 * 256,
+            {"unverified": plain_s, "verified": verified_s},
+            host_cpu_s_per_GB=0.0123,
+            algorithm="xxh3-64 (checksum kernel)",
+        )
+    return printed.getvalue()
+
+
+def _seal_log(
+    rows: dict[tuple[str, str, int], str], outcomes: dict[tuple[str, str, int], str]
+) -> str:
+    """gpu-tests.log's part for bench_seal.py as pytest -v -rA writes it."""
+    lines = ["===== bench/suites/bench_seal.py (limit 40 s) =====", "collected 16 items"]
+    for (path, direction, page), outcome in outcomes.items():
+        case = f"test_engine_verification_cost_cuda[{direction}-{page}KiB-{path}]"
+        lines.append(f"bench/suites/bench_seal.py::{case} {outcome} [  8%]")
+    lines.append("=" * 30 + " PASSES " + "=" * 30)
+    for (path, direction, page), row in rows.items():
+        lines.append(f"___ test_engine_verification_cost_cuda[{direction}-{page}KiB-{path}] ___")
+        lines.append("-" * 10 + " Captured stdout call " + "-" * 10)
+        lines.append(row)
+    return "\n".join(lines) + "\n"
+
+
+def test_verification_summary_judges_every_cuda_row() -> None:
+    from triton_offload.bench.gpu_check import RATIO_GOAL, verification_summary
+
+    # Verified time per case: every ratio from 0.90 to 1.0; the 0.949 one prints "0.95".
+    ratios = {case: 0.90 + 0.1 * i / (len(SEAL_CASES) - 1) for i, case in enumerate(SEAL_CASES)}
+    ratios[SEAL_CASES[3]] = 0.949
+    rows = {case: _seal_row(*case, 1.0e-3, 1.0e-3 / r) for case, r in ratios.items()}
+    log = _seal_log(rows, dict.fromkeys(SEAL_CASES, "PASSED"))
+    lines, broken = verification_summary(log)
+    text = "\n".join(lines)
+    assert not broken, text
+    assert lines[0].startswith("verification on cuda") and f"goal >= {RATIO_GOAL}" in lines[0]
+    for (path, direction, page), ratio in ratios.items():
+        verdict = "ok" if ratio >= RATIO_GOAL else "BELOW GOAL"
+        pattern = (
+            rf"^  {path} +{direction} +{page} KiB: ratio {ratio:.3f} \(.*\), host 0\.0123 CPU s "
+            rf"per verified GB  {verdict}$"
+        )
+        assert re.search(pattern, text, re.M), (pattern, text)
+    meeting = sum(r >= RATIO_GOAL for r in ratios.values())
+    assert meeting == 6  # the cases straddle the goal; 0.949 is under it
+    assert "ratio: lowest 0.900 (triton store 8 KiB), median " in text
+    assert f"; {meeting} of 12 rows meet the goal" in text
+    assert "host CPU s per verified GB: median 0.0123, highest 0.0123" in text
+
+
+@pytest.mark.parametrize(
+    "fault, named",
+    [
+        (
+            "missing",
+            "case test_engine_verification_cost_cuda[load-8KiB-dma] passed but printed no row",
+        ),
+        ("unpassed", "row dma load 8 KiB has no passed case"),
+        ("nan", "row dma load 8 KiB: verified GB/s nan"),
+        ("disagrees", "row dma load 8 KiB: ratio 0.5 disagrees with its GB/s"),
+        ("twice", "row dma load 8 KiB printed twice"),
+    ],
+)
+def test_a_broken_verification_report_is_named(fault: str, named: str) -> None:
+    from triton_offload.bench.gpu_check import verification_summary
+
+    broken_case = ("dma", "load", 8)
+    rows = {case: _seal_row(*case, 1.0e-3, 1.02e-3) for case in SEAL_CASES}
+    outcomes = dict.fromkeys(SEAL_CASES, "PASSED")
+    if fault == "missing":
+        del rows[broken_case]
+    elif fault == "unpassed":
+        outcomes[broken_case] = "FAILED"
+    elif fault == "nan":
+        rows[broken_case] = re.sub(
+            r"unverified, [0-9.]+ GB/s", "unverified, nan GB/s", rows[broken_case]
+        )
+    elif fault == "disagrees":
+        rows[broken_case] = re.sub(r"ratio [0-9.]+", "ratio 0.50", rows[broken_case])
+    elif fault == "twice":
+        rows[broken_case] += rows[broken_case]
+    lines, broken = verification_summary(_seal_log(rows, outcomes))
+    text = "\n".join(lines)
+    assert broken, text
+    assert f"  REPORT BROKEN: {named}" in text, text
+
+
+def test_verification_not_measured_is_said_and_not_broken() -> None:
+    from triton_offload.bench.gpu_check import verification_summary
+
+    skipped = _seal_log({}, dict.fromkeys(SEAL_CASES, "SKIPPED"))
+    skipped += "SKIPPED [12] bench/suites/bench_seal.py:156: needs a CUDA device\n"
+    lines, broken = verification_summary(skipped)
+    assert not broken and len(lines) == 1
+    assert lines[0].endswith("not measured: its CUDA cases skipped (needs a CUDA device)")
+    lines, broken = verification_summary("===== tests/transfer/test_engine_cuda.py =====\n")
+    assert not broken and lines[0].endswith("not measured: its CUDA cases did not run")
+
+
+def test_the_case_ids_of_bench_seal_map_to_its_rows() -> None:
+    """The ids pytest gives bench_seal.py's CUDA cases name one (path, direction, page)
+    each, the ones its rows print."""
+    from triton_offload.bench.gpu_check import case_key
+
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "--co",
+            "-q",
+            "-m",
+            "cuda",
+            "-p",
+            "no:cacheprovider",
+            "bench/suites/bench_seal.py",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    ids = re.findall(r"::test_engine_verification_cost_cuda\[([^\]]+)\]$", done.stdout, re.M)
+    assert sorted(case_key(i) for i in ids) == sorted(SEAL_CASES), done.stdout[-2000:]
+
+
+def test_the_check_fails_on_a_broken_verification_report(tmp_path: Path) -> None:
+    """Through the script: CUDA rows in gpu-tests.log are judged in the summary (one under
+    the goal: reported, not failed); a passed case that printed no row fails the check."""
+    probe = tmp_path / "test_seal_probe.py"
+    good = _seal_row("triton", "store", 8, 1.0e-3, 1.01e-3)
+    low = _seal_row("dma", "load", 256, 1.0e-3, 1.25e-3)
+    probe.write_text(
+        "import pytest\n\n"
+        "CASES = ['store-8KiB-triton', 'load-256KiB-dma', 'load-8KiB-auto']\n\n\n"
+        "@pytest.mark.cuda\n"
+        "@pytest.mark.parametrize('case', CASES)\n"
+        "def test_engine_verification_cost_cuda(case):\n"
+        f"    rows = {{'store-8KiB-triton': {good!r}, 'load-256KiB-dma': {low!r}}}\n"
+        "    print(rows.get(case, ''))\n"
+    )
+    out = tmp_path / "out"
+    env = {"GPU_CHECK_TEST_FILES": f"{probe} 30 0", "GPU_CHECK_STEPS": "gpu-tests"}
+    done = _run(tmp_path, str(out), "--dry-run", env_extra=env)
+    summary = (out / "summary.txt").read_text()
+    assert done.returncode == 1, summary
+    assert re.search(r"^gpu-tests +rc=0 ", summary, re.M), summary  # the tests passed
+    assert re.search(r"^  triton store +8 KiB: ratio 0\.990 .*  ok$", summary, re.M), summary
+    assert re.search(r"^  dma +load +256 KiB: ratio 0\.800 .*  BELOW GOAL$", summary, re.M)
+    assert (
+        "  REPORT BROKEN: case test_engine_verification_cost_cuda[load-8KiB-auto] passed but "
+        "printed no row" in summary
+    )
+    assert re.search(r"^wall \d+ s of \d+ s; exit 1$", summary, re.M), summary
