@@ -116,17 +116,18 @@ PCIE_IN_FLIGHT_TARGET_BYTES = 256 * 1024
 # two programs (8 of 64 warp slots) hold at most half of the 64 K-register file, so a
 # 256-thread, 128-register GEMM block still fits beside them. Registers per thread, from
 # `python -m triton_offload.bench.kernel_resources --target sm_90` (Triton 3.9, no spills;
-# x 128 threads x 2 programs in brackets):
+# in brackets the registers two programs hold: sm_90 allocates per warp in units of 256,
+# i.e. per thread rounded up to a multiple of 8, x 128 threads x 2 programs):
 #
 #   tile      plain         checksum       read-only checksum
 #   4 KiB     64 (16 K)     80 (20 K)      72 (18 K)
 #   8 KiB     71 (18 K)     80 (20 K)      80 (20 K)     <- TILE_BYTES, every variant
-#   16 KiB    93 (24 K)     128 (32 K)     122 (31 K)
+#   16 KiB    93 (24 K)     128 (32 K)     122 (32 K)
 #
 # Every variant at the default tile keeps under a third of the file; at 16 KiB tiles
-# (a grid-sweep point only) the checksum variants reach the half-file budget itself: a
-# grid that picks 16 KiB must be judged with checksums off, and four programs per SM
-# would break the budget at any tile.
+# (a grid-sweep point only) both checksum variants take the half-file budget exactly
+# (122 rounds up to 128): a grid that picks 16 KiB must be judged with checksums off,
+# and four programs per SM would break the budget at any tile.
 MAX_PROGRAMS_PER_SM = 2
 # The interpreter runs programs one after another; a few programs still exercise the
 # grid-stride walk (items owned by several programs, group boundaries mid-stride).
