@@ -175,9 +175,10 @@ class DescriptorBuffers:
     ``values``/``indices`` are the scratch of a group whose planes fall in several
     classes (its runs are computed class by class and scattered into plane order).
     Arrays grow (to at least twice their size) when a larger job arrives and never
-    shrink: a fresh array per job costs a page fault per 4 KiB on first touch, which
-    made the build superlinear in the job (0.17 ms at 256 blocks x 64 planes, 1.4 ms at
-    1,024; ``bench/suites/bench_descriptors.py``).
+    shrink: arrays allocated per job (large ones come fresh from the system) cost a
+    page fault per 4 KiB on first touch, and the build grows superlinearly with the job
+    (measured with numpy's allocations: 0.17 ms at 256 blocks x 64 planes, 1.4 ms and
+    864 page faults at 1,024; ``bench/suites/bench_descriptors.py`` times this build).
     """
 
     MIN_CAPACITY = 1 << 12
