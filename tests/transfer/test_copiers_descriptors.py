@@ -395,3 +395,23 @@ def test_descriptors_returned_by_the_copier_stay_its_callers() -> None:
     kept = as_runs(first)
     copier.descriptors(random_job(rng, layout, FROM_POOL, max_blocks=40), FROM_POOL, None)
     assert as_runs(first) == kept == judge(layout, row_stride, table, TO_POOL, None)
+
+
+def test_a_job_ending_after_its_call_gives_back_only_its_own_set() -> None:
+    """Job A's call returns (its set goes back), job B takes that set, then A's holds are
+    released: B's set must stay B's, so job C, prepared before B's call, gets another."""
+    rng = np.random.default_rng(17)
+    layout, row_stride = random_layout(rng)
+    recorder = Recorder()
+    copier = batched_copier(layout, row_stride, recorder)
+    tables = [random_job(rng, layout, TO_POOL, max_blocks=40) for _ in range(3)]
+    expected = [judge(layout, row_stride, table, TO_POOL, None) for table in tables]
+    holds = [JobHolds() for _ in tables]
+    copier.prepare(tables[0], TO_POOL, None, holds[0], None)()
+    run_b = copier.prepare(tables[1], TO_POOL, None, holds[1], None)
+    holds[0].release_after(None)
+    assert copier.descriptor_pool.held == 1  # B's
+    run_c = copier.prepare(tables[2], TO_POOL, None, holds[2], None)
+    run_b()
+    run_c()
+    assert recorder.calls == expected

@@ -186,7 +186,6 @@ class DescriptorBuffers:
     def __init__(self) -> None:
         self.targets = self.sources = self.lengths = np.zeros(0, dtype=np.int64)
         self.values = self.indices = np.zeros(0, dtype=np.int64)
-        self.in_use = False
 
     @property
     def capacity(self) -> int:
@@ -208,6 +207,21 @@ class DescriptorBuffers:
         return self.values, self.indices
 
 
+class DescriptorHold:
+    """One job's hold on a descriptor set: ``release`` gives the set back once, however
+    often it is called (after the driver call, and again with the job's holds)."""
+
+    def __init__(self, pool: DescriptorPool, buffers: DescriptorBuffers) -> None:
+        self.pool = pool
+        self.buffers = buffers
+        self.released = False
+
+    def release(self, event: Any = None) -> None:
+        """Give the set back (``event`` is ignored: the driver read the descriptors during
+        its call, so nothing on the device waits for them)."""
+        self.pool._give_back(self)
+
+
 class DescriptorPool:
     """Descriptor sets shared by the jobs of one copier, each held by one job at a time.
 
@@ -224,20 +238,18 @@ class DescriptorPool:
         self._free: list[DescriptorBuffers] = []
         self._held = 0
 
-    def acquire(self) -> DescriptorBuffers:
+    def acquire(self) -> DescriptorHold:
         with self._lock:
             buffers = self._free.pop() if self._free else DescriptorBuffers()
-            buffers.in_use = True
             self._held += 1
-        return buffers
+        return DescriptorHold(self, buffers)
 
-    def release(self, buffers: DescriptorBuffers) -> None:
-        """Give ``buffers`` back; a second release of the same hold does nothing."""
+    def _give_back(self, hold: DescriptorHold) -> None:
         with self._lock:
-            if buffers.in_use:
-                buffers.in_use = False
+            if not hold.released:
+                hold.released = True
                 self._held -= 1
-                self._free.append(buffers)
+                self._free.append(hold.buffers)
 
     @property
     def held(self) -> int:
@@ -469,12 +481,11 @@ class DmaCopier(Copier):
     def prepare(
         self, table: PairTable, direction: int, planes: PlaneSubset, holds: JobHolds, stream: Any
     ) -> Callable[[], None]:
-        pool = self.descriptor_pool
-        buffers = pool.acquire()
+        hold = self.descriptor_pool.acquire()
         try:
-            targets, sources, lengths = self._builder.build(buffers, table, direction, planes)
+            targets, sources, lengths = self._builder.build(hold.buffers, table, direction, planes)
         except BaseException:
-            pool.release(buffers)
+            hold.release()
             raise
         handle = 0 if stream is None else int(stream.cuda_stream)
         count = int(lengths.size)
@@ -482,19 +493,19 @@ class DmaCopier(Copier):
         if batch is not None:
             # Given back after the driver call (which reads the descriptors during the
             # call), or with the job's holds if the call never runs.
-            holds.releases.append(lambda event: pool.release(buffers))
+            holds.releases.append(hold.release)
 
             def run_batch() -> None:
                 try:
                     batch(targets, sources, lengths, handle)
                 finally:
-                    pool.release(buffers)
+                    hold.release()
                 self.last_copy_count, self.last_call_count = count, int(count > 0)
 
             return run_batch
         copy = self.api.memcpy_async
         runs = (targets.tolist(), sources.tolist(), lengths.tolist())
-        pool.release(buffers)
+        hold.release()
 
         def run_loop() -> None:
             for target, source, length in zip(*runs, strict=True):
@@ -1044,6 +1055,7 @@ __all__ = [
     "Copier",
     "DescriptorBuffers",
     "DescriptorBuilder",
+    "DescriptorHold",
     "DescriptorPool",
     "DmaCopier",
     "HostCopier",
