@@ -1,6 +1,6 @@
 """`triton-offload` console script: one module per command in this package.
 
-Each sub-command (``bench``, ``verify``, ``plan``, ``info``) lives in its own module
+Each sub-command (``bench``, ``verify``, ``plan``, ``info``, ``tier``) lives in its own module
 exposing ``configure_parser(parser)`` and ``run(args) -> int``; ``args`` holds the
 argument checks they share. This file only dispatches, so commands stay independent. Only
 the command being run is configured: ``verify``'s flags come from modules that import
@@ -30,6 +30,10 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "verify": ("triton_offload.cli.verify", "cold vs offload-hit equality on a hybrid model"),
     "plan": ("triton_offload.cli.plan", "print a model's offload plan as a table"),
     "info": ("triton_offload.cli.info", "versions and devices seen by this install"),
+    "tier": (
+        "triton_offload.cli.tier",
+        "what an fs tier folder holds, every chunk's seal checked, refused files removed",
+    ),
 }
 
 
