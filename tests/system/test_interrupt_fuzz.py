@@ -423,14 +423,14 @@ def test_an_interrupt_while_the_worker_verifies_loads_loses_none(
     caller: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Same for a load's verdict: an interrupt while verifying the second of three loads
-    (its seal headers) lost the second and the third. Now the verdicts are computed
+    (comparing its seals) lost the second and the third. Now the verdicts are computed
     again and each load is reported once, verified."""
     pytest.importorskip("vllm")
     with _sealed_worker_with_three_stores() as worker:
         assert len(worker.get_finished()) == 3
         for job in range(3):
             _load(worker, 10 + job, chunk=job, blocks=[6 + 2 * job, 7 + 2 * job])
-        calls = _interrupt_second_call(monkeypatch, worker.sealer, "header_problems")
+        calls = _interrupt_second_call(monkeypatch, worker.sealer, "accepted")
         with pytest.raises(KeyboardInterrupt):
             worker.get_finished() if caller == "get_finished" else worker.wait([10, 11, 12])
         assert calls[0] == 2

@@ -1154,6 +1154,7 @@ class TransferEngine:
                 held.enter_context(lock)
             self._finalizer()
             self.pool = self._pool.tensor  # released by the finalizer's pool.close()
+            self._host_pool_bytes = None  # addressed the released pool
 
     def __enter__(self) -> TransferEngine:
         return self
