@@ -292,7 +292,9 @@ def test_an_absent_fs_root_is_created_for_the_engine_user_alone(open_parent: Pat
     assert [p.name for p in root.iterdir() if (p / "config.json").exists()]
 
 
-@pytest.mark.parametrize("mode", [0o755, 0o750, 0o705, 0o701, 0o710, 0o770, 0o777])
+@pytest.mark.parametrize(
+    "mode", [0o755, 0o750, 0o705, 0o701, 0o710, 0o770, 0o777], ids=lambda mode: f"{mode:o}"
+)
 def test_an_fs_root_other_users_can_reach_is_refused_naming_it(tmp_path: Path, mode: int) -> None:
     """Refused before vLLM writes anything into it: the message names the key, the folder,
     its mode and the command that makes it private."""
