@@ -68,6 +68,14 @@ def _llama() -> Any:
     )
 
 
+def _llama_kv2() -> Any:
+    """Llama with as many KV heads as query heads (2): under tensor parallel 2 each
+    worker holds one KV head of its own (no head is replicated)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**{**_attention(), "num_key_value_heads": HIDDEN // HEAD_DIM})
+
+
 def _mistral_swa() -> Any:
     from transformers import MistralConfig
 
@@ -113,6 +121,7 @@ def _qwen3_next() -> Any:
 
 MODELS = {
     "llama": TinyModel("llama", "float32", "full attention", _llama),
+    "llama-kv2": TinyModel("llama-kv2", "float32", "full attention, 2 KV heads", _llama_kv2),
     "mistral-swa": TinyModel("mistral-swa", "float32", "sliding window", _mistral_swa),
     "gpt-oss": TinyModel("gpt-oss", "bfloat16", "sliding window + full", _gpt_oss),
     "qwen3-next": TinyModel("qwen3-next", "bfloat16", "GDN (Mamba align) + full", _qwen3_next),
