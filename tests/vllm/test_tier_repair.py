@@ -281,6 +281,28 @@ def test_the_cpu_spec_alone_has_no_tier_to_repair(engines: list[Engine], tmp_pat
     assert guard.chunks_refused == 1 and guard.tier_files_removed == 0
 
 
+def test_a_link_where_a_refused_fs_file_belongs_is_kept_and_named(
+    engines: list[Engine], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A refused chunk's file replaced by a link to garbage outside the tier: the link
+    is followed by no removal (the garbage stays), and the log names what was found."""
+    row = Row("fs link")
+    engine, _, path = stored_on_fs(engines, tmp_path, row)
+    outside = tmp_path / "outside-garbage"
+    outside.write_bytes(os.urandom(path.stat().st_size))
+    path.unlink()
+    path.symlink_to(outside)
+    with caplog.at_level("WARNING", logger="vllm.triton_offload"):
+        refused = run_rounds(engine, row)
+    assert refused[0] >= 1
+    assert path.is_symlink() and outside.exists()
+    assert engine.connector_scheduler.triton_guard.tier_files_removed == 0
+    named = [
+        r.getMessage() for r in caplog.records if RemovalOutcome.NOT_A_FILE.value in r.getMessage()
+    ]
+    assert named and str(path) in named[0], [r.getMessage() for r in caplog.records]
+
+
 # ------------------------------------------------------------------ folders swapped for links
 
 #: Entries of os the removal may call; a swap is planted before the n-th call of any.

@@ -326,6 +326,16 @@ class ChunkGuard:
                         path,
                         tier.tier_type,
                     )
+                elif outcome in (RemovalOutcome.LINK_ON_THE_WAY, RemovalOutcome.NOT_A_FILE):
+                    # Someone put a link or a folder where vLLM's fs tier keeps files: the
+                    # operator must know (the chunk stays quarantined here all the same).
+                    logger.warning(
+                        "triton_offload: refused chunk %s's file %s in secondary tier %r is %s",
+                        key.hex(),
+                        path,
+                        tier.tier_type,
+                        outcome.value,
+                    )
 
     def watch_tier(self, manager: Any, tier: Any) -> None:
         """Check every chunk ``tier`` promotes into the host region before it counts, and
