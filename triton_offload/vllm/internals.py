@@ -299,6 +299,28 @@ RELIANCES: tuple[Reliance, ...] = (
         "reads field",
         "the connector worker's start of this step's loads",
     ),
+    # ---- vLLM's fs tier: temporary names no seed decides
+    Reliance(
+        "vllm.v1.kv_offload.tiering.fs.io",
+        "_get_tmp_suffix",
+        "replaces",
+        "vLLM draws the fs tier's temporary file names from the random module it seeds "
+        "with the engine's seed: engines of one seed collide on them, and a killed "
+        "writer's file stops the chunk being stored again (triton_offload.vllm.fs_writes)",
+        params=(),
+    ),
+    # ---- vLLM's connector factory: the configuration checked before the model loads
+    Reliance(
+        "vllm.distributed.kv_transfer.kv_connector.factory",
+        "KVConnectorFactory.get_connector_class",
+        "reads the argument of",
+        "0.33 hands the connector class no config before the model loads (0.34 calls "
+        "kv_cache_access with it); its front-end looks the class up while it builds "
+        "VllmConfig, and the lookup's kv_transfer_config is read from that call's frame "
+        "(releases/v0_33.config_of_class_lookup)",
+        params=("kv_transfer_config",),
+        releases=ONLY_0_33,
+    ),
     # ---- vLLM's tiering manager: promoted chunks checked before they count
     Reliance(
         _TIERING_MANAGER,

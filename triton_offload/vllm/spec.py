@@ -91,12 +91,13 @@ from triton_offload.transfer.selection import describe_paths
 from triton_offload.vllm.canonical import canonical_cache_layout
 from triton_offload.vllm.checkpoint import SERVED_REVISION, checkpoint_identity
 from triton_offload.vllm.compat import (
-    installed_vllm_version,
+    SPEC_NAME,
+    TIERING_SPEC_NAME,
     logger,
     supported_vllm_api,
-    vllm_extra_config_keys,
 )
 from triton_offload.vllm.convert import caches_from_canonical, plan_from_offloading_config
+from triton_offload.vllm.fs_writes import use_unique_temporary_names
 from triton_offload.vllm.integrity import (
     ChunkGuard,
     config_digest,
@@ -104,7 +105,11 @@ from triton_offload.vllm.integrity import (
     host_manager,
 )
 from triton_offload.vllm.internals import check_vllm_internals
-from triton_offload.vllm.options import EngineOptions, check_known_keys, validate_cpu_bytes
+from triton_offload.vllm.options import (
+    EngineOptions,
+    check_canonical_layout,
+    check_extra_config,
+)
 from triton_offload.vllm.planning import warn_stock_lookup_hazards
 from triton_offload.vllm.region import (
     RegionPlan,
@@ -187,16 +192,11 @@ class TritonWorkerSide:
                 "CUDA's; use vLLM's CPUOffloadingSpec on ROCm"
             )
         extra = config.extra_config
-        check_known_keys(extra, vllm_extra_config_keys(), installed_vllm_version())
-        validate_cpu_bytes(extra)
-        requested = bool(config.canonical_layout or extra.get("canonical_layout"))
-        if requested and not self._honours_canonical_layout:
-            raise ValueError(
-                "kv_connector_extra_config['canonical_layout'] is not supported by "
-                f"{type(self).__name__}: its host rows hold each worker's own pages "
-                "in this project's row layout, not vLLM's canonical pages (vLLM's CPU "
-                "spec ignores the flag; use TritonTieringOffloadingSpec, which honours it)"
-            )
+        # The same checks TritonOffloadingConnector ran before the model loaded: here
+        # for vLLM's plain OffloadingConnector, which calls in only now.
+        spec_name = TIERING_SPEC_NAME if self._tiering_region else SPEC_NAME
+        check_extra_config(extra, spec_name)
+        check_canonical_layout({"canonical_layout": config.canonical_layout}, spec_name)
         # vLLM's tiering spec follows the config's flag (set from the extra config).
         self.stock_rows = bool(config.canonical_layout)
         #: Set by the canonical worker as vLLM's tiering spec sets it: whether every
@@ -212,6 +212,9 @@ class TritonWorkerSide:
         self._unsealed: tuple[int, int] | None = None
         if self.sealed_pages:
             self._add_seal_room()
+        # The chunk's bytes are known from here on (vLLM's cache geometry): the scheduler
+        # and every worker refuse a capacity that holds none, before anything is mapped.
+        self._check_capacity()
         #: The checkpoint served: one model name may serve other weights over time, and
         #: vLLM's names and keys carry only the name (triton_offload.vllm.checkpoint).
         self.model_revision = SERVED_REVISION.get()
@@ -521,13 +524,21 @@ class TritonWorkerSide:
         )
 
     def _check_capacity(self) -> None:
-        if self.num_chunks < 1:
-            raise ValueError(
-                f"cpu_bytes_to_use {self.extra_config.get('cpu_bytes_to_use')} holds no "
-                f"chunk of {self.config.worker_kv_bytes_per_block} bytes per block x "
-                f"{1 if self.replicated_layout else self.config.parallel.world_size} "
-                f"copies x {self.blocks_per_chunk} blocks; raise it"
-            )
+        """ValueError when ``cpu_bytes_to_use`` holds no chunk, naming the least that
+        holds one: a chunk row as the region lays it out (every worker's page, seals
+        included, rounded up to the region's alignment)."""
+        if self.num_chunks >= 1 or self.config.worker_kv_bytes_per_block <= 0:
+            return  # a worker without KV bytes maps nothing (vLLM counts no chunk there)
+        copies = 1 if self.replicated_layout else int(self.config.parallel.world_size)
+        seals = f" + {SEAL_BYTES}-byte seal" if self.sealed_pages else ""
+        raise ValueError(
+            f"kv_connector_extra_config['cpu_bytes_to_use'] "
+            f"{self.extra_config.get('cpu_bytes_to_use')} holds no chunk: one chunk takes "
+            f"{self.kv_bytes_per_chunk} bytes ({copies} page(s) of "
+            f"{self.blocks_per_chunk} blocks x {self.config.worker_kv_bytes_per_block} "
+            f"bytes{seals}, rounded up to {self.BLOCK_SIZE_ALIGNMENT}); give at least "
+            f"{self.kv_bytes_per_chunk}, and many chunks more to hold any prefix"
+        )
 
     def _planes_note_for(self, kv_caches: Any, layout: CacheLayout | None) -> str | None:
         """Under the tiering spec, this worker's planes as the scheduler names the tiers'
@@ -785,6 +796,9 @@ class TritonTieringOffloadingSpec(TritonWorkerSide, TieringOffloadingSpec):  # t
             type(self).__name__,
             canonical=bool(config.canonical_layout),
         )
+        # vLLM's fs tier would name its temporary files from the seeded random module:
+        # engines of one seed would collide on them (triton_offload.vllm.fs_writes).
+        use_unique_temporary_names()
         super().__init__(config)
         if self.stock_rows:
             return  # vLLM's bytes under vLLM's names: shared with stock instances
