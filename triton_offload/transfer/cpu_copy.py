@@ -124,6 +124,22 @@ class JobRuns(NamedTuple):
     first_pairs: np.ndarray | None = None
 
 
+#: Per group, one ``(cache base, block stride, page bytes, pool offset, pool slot stride)``
+#: per plane a job copies: what a small job's copy reads of the layout.
+SmallGeometry = tuple[tuple[tuple[int, int, int, int, int], ...], ...]
+
+
+def _page_geometry(layout: CacheLayout, planes: Sequence[int] | None) -> SmallGeometry:
+    wanted = None if planes is None else frozenset(planes)
+    return tuple(
+        tuple(
+            (p.base_address, p.block_stride, p.page_bytes, p.pool_offset, p.pool_slot_stride)
+            for p in (layout.planes[i] for i in members if wanted is None or i in wanted)
+        )
+        for members in layout.group_planes
+    )
+
+
 class RunBuilder:
     """Merged runs of a job with a fixed number of numpy calls per *group*, not per plane.
 
@@ -137,6 +153,17 @@ class RunBuilder:
     def __init__(self, layout: CacheLayout) -> None:
         self.layout = layout
         self._stacks: dict[tuple[int, ...] | None, list[tuple[np.ndarray, ...] | None]] = {}
+        self._pages: dict[tuple[int, ...] | None, SmallGeometry] = {}
+
+    def page_geometry(self, planes: Sequence[int] | None) -> SmallGeometry:
+        """Per group, the chosen planes' ``(cache base, block stride, page bytes, pool
+        offset, pool slot stride)`` as Python ints (kept per plane subset)."""
+        key = None if planes is None else tuple(planes)
+        geometry = self._pages.get(key)
+        if geometry is None:
+            geometry = _page_geometry(self.layout, planes)
+            self._pages[key] = geometry
+        return geometry
 
     def _stack(self, planes: Sequence[int] | None) -> list[tuple[np.ndarray, ...] | None]:
         key = None if planes is None else tuple(sorted(planes))
@@ -239,19 +266,15 @@ def copy_pages(
     :class:`RunBuilder` for ``layout`` (it keeps the stacked plane geometry between
     jobs). Addresses are host addresses (CPU tensors only).
     """
-    bounds = group_offsets.tolist()
-    group_planes = layout.group_planes
-    if planes is not None:
-        wanted = frozenset(planes)
-        group_planes = tuple(tuple(i for i in m if i in wanted) for m in group_planes)
-    pages = sum(
-        (bounds[g + 1] - bounds[g]) * len(members) for g, members in enumerate(group_planes)
-    )
-    if pages <= SMALL_JOB_PAGES:
-        return _copy_small(
-            layout, pool_address, pool_row_bytes, pairs.tolist(), bounds, direction, group_planes
-        )
     builder = RunBuilder(layout) if runs is None else runs
+    if pairs.shape[0] <= SMALL_JOB_PAGES:
+        geometry = builder.page_geometry(planes)
+        bounds = group_offsets.tolist()
+        pages = sum((bounds[g + 1] - bounds[g]) * len(chosen) for g, chosen in enumerate(geometry))
+        if pages <= SMALL_JOB_PAGES:
+            return _copy_small(
+                pool_address, pool_row_bytes, pairs.tolist(), bounds, direction, geometry
+            )
     job = builder.runs(pool_address, pool_row_bytes, pairs, group_offsets, direction, planes)
     threads = _threads_for(job)
     if threads > 1:
@@ -307,24 +330,21 @@ def _run_shares(shares: Sequence[Callable[[], T]]) -> list[T]:
 
 
 def _copy_small(
-    layout: CacheLayout,
     pool_address: int,
     pool_row_bytes: int,
     rows: list[list[int]],
     bounds: list[int],
     direction: int,
-    group_planes: tuple[tuple[int, ...], ...],
+    geometry: SmallGeometry,
 ) -> int:
     """:func:`copy_pages` for a few pages: one memmove per page, addresses as Python ints."""
     memmove, store, moved = _memmove, direction == Direction.TO_POOL, 0
-    for group, members in enumerate(group_planes):
+    for group, chosen in enumerate(geometry):
         part = rows[bounds[group] : bounds[group + 1]]
         if not part:
             continue
-        for index in members:
-            plane = layout.planes[index]
-            base, stride, page = plane.base_address, plane.block_stride, plane.page_bytes
-            pool_base, slot_stride = pool_address + plane.pool_offset, plane.pool_slot_stride
+        for base, stride, page, pool_offset, slot_stride in chosen:
+            pool_base = pool_address + pool_offset
             for block, row, slot in part:
                 cache = base + block * stride
                 pool = pool_base + row * pool_row_bytes + slot * slot_stride

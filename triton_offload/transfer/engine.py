@@ -362,6 +362,8 @@ class TransferEngine:
     def _build_books(self) -> None:
         """The job books and their locks: this engine keeps the only ledger of its jobs."""
         self._active: dict[Hashable, RunningJob] = {}
+        # path_name per assignment: the policy hands out a few assignments, over and over.
+        self._path_names: dict[Assignment, str] = {}
         self._queues: dict[int, deque[RunningJob]] = {lane: deque() for lane in LANES}
         self._finished: deque[RunningJob] = deque()  # CPU: completed, in completion order
         # Finished jobs a get_finished call took but could not return (interrupted).
@@ -805,10 +807,11 @@ class TransferEngine:
     ) -> bool:
         if self._closed:
             return False
-        if not isinstance(checksum, bool):
-            raise TypeError(f"checksum must be a bool, got {checksum!r}")
-        if checksum and not self.page_checksums:
-            raise ValueError("checksum=True needs an engine made with page_checksums=True")
+        if checksum is not False:
+            if checksum is not True:
+                raise TypeError(f"checksum must be a bool, got {checksum!r}")
+            if not self.page_checksums:
+                raise ValueError("checksum=True needs an engine made with page_checksums=True")
         try:
             hash(job_id)
         except TypeError:
@@ -820,9 +823,19 @@ class TransferEngine:
         size = sum(c * b for c, b in zip(counts, self._bytes_per_block, strict=True))
         if assignment is None:
             assignment = self.policy.assign(direction, counts)
-        job = RunningJob(job_id, direction, assignment, size, direction if lane is None else lane)
-        job.checksum = checksum
-        job.checksum_algorithm = self.checksum_algorithm
+        path = self._path_names.get(assignment)
+        if path is None:
+            path = self._path_names.setdefault(assignment, path_name(assignment))
+        job = RunningJob(
+            job_id,
+            direction,
+            assignment,
+            size,
+            direction if lane is None else lane,
+            path,
+            checksum=checksum,
+            checksum_algorithm=self.checksum_algorithm,
+        )
         # The job enters the books with ``self._active[job_id] = job``; from that line on an
         # interrupt (KeyboardInterrupt, SystemExit) at any later line, this method's or its
         # callees', must still leave it reported once. Before this try, an interrupt after
@@ -837,7 +850,7 @@ class TransferEngine:
                 self._active[job_id] = job
                 self.last_job_table = table
                 self.last_job_assignment = assignment
-                self.last_job_backend = path_name(assignment)
+                self.last_job_backend = path
                 if self.cuda:
                     self._queues[job.lane].append(job)
                     self._run_cuda(job, table)
@@ -1099,9 +1112,11 @@ class TransferEngine:
                     for queue in self._queues.values():
                         while queue and queue[0].finished.is_set() and queue[0].done():
                             done.append(queue.popleft())
-                else:
+                elif self._finished:
                     ready = [job for job in self._finished if job.finished.is_set()]
-                    if ready:
+                    if len(ready) == len(self._finished):
+                        done, self._finished = done + ready, deque()
+                    elif ready:
                         rest = deque(job for job in self._finished if not job.finished.is_set())
                         done, self._finished = done + ready, rest
             results = []

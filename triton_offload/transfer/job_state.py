@@ -25,6 +25,46 @@ from triton_offload.transfer.selection import Assignment, path_name
 EXPEDITED_LOAD = 2
 LANES = (TO_POOL, FROM_POOL, EXPEDITED_LOAD)
 
+#: Wakes the threads waiting in :meth:`JobFinished.wait` (one for every job: waiters are
+#: rare, a job is made per submit, and a ``threading.Event`` per job costs a condition
+#: and a lock to build).
+_WAKE = threading.Condition(threading.Lock())
+
+
+class JobFinished:
+    """A job's "finished" flag: ``set``/``is_set``/``wait`` as ``threading.Event``'s.
+
+    ``set`` takes no lock unless a thread waits. That is safe because ``wait`` counts
+    itself under ``_WAKE`` before it reads the flag and ``set`` writes the flag before it
+    reads the count: a ``set`` that read no waiter wrote the flag before that waiter
+    read it, and one that read a waiter notifies under ``_WAKE``, which the waiter only
+    gives up inside ``_WAKE.wait()``.
+    """
+
+    __slots__ = ("_flag",)
+    waiting = 0  # threads inside wait(), every job together; changed under _WAKE
+
+    def __init__(self) -> None:
+        self._flag = False
+
+    def is_set(self) -> bool:
+        return self._flag
+
+    def set(self) -> None:
+        self._flag = True
+        if JobFinished.waiting:
+            with _WAKE:
+                _WAKE.notify_all()
+
+    def wait(self) -> None:
+        with _WAKE:
+            JobFinished.waiting += 1
+            try:
+                while not self._flag:
+                    _WAKE.wait()
+            finally:
+                JobFinished.waiting -= 1
+
 
 @dataclass(frozen=True)
 class TransferResult:
@@ -48,22 +88,26 @@ class TransferResult:
     path: str = field(default="", compare=False)
 
 
-@dataclass
+@dataclass(slots=True)
 class RunningJob:
-    """One accepted job in the engine's books, from its submit until it is reported."""
+    """One accepted job in the engine's books, from its submit until it is reported.
+
+    ``path`` is ``path_name(assignment)`` (the engine keeps it per assignment).
+    """
 
     job_id: Hashable
     direction: int
     assignment: Assignment
     transfer_size: int
     lane: int
+    path: str = ""
     success: bool = True
     transfer_time: float = 0.0
     start: Any = None  # torch.cuda.Event
     end: Any = None  # torch.cuda.Event
     holds: JobHolds = field(default_factory=JobHolds)
     # Set once the copy returned or failed (CPU) or was enqueued (CUDA: end recorded).
-    finished: threading.Event = field(default_factory=threading.Event)
+    finished: JobFinished = field(default_factory=JobFinished)
     checksum: bool = False
     # Checksummed jobs: the algorithm, the rows and the host copy of their sums (read
     # once ended), or the sums computed on the host (CPU path).
@@ -93,8 +137,8 @@ class RunningJob:
             self.transfer_size,
             seconds,
             checksums,
-            path_name(self.assignment),
+            self.path or path_name(self.assignment),
         )
 
 
-__all__ = ["EXPEDITED_LOAD", "LANES", "RunningJob", "TransferResult"]
+__all__ = ["EXPEDITED_LOAD", "LANES", "JobFinished", "RunningJob", "TransferResult"]

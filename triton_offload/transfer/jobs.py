@@ -116,8 +116,9 @@ def int64_ids(values: Any, what: str) -> tuple[np.ndarray, bool]:
     return array, fresh
 
 
-def _ids(values: Any, what: str, kind: str, group: int) -> np.ndarray:
-    """A read-only 1-d int64 array of non-negative ids; ValueError/TypeError naming ``what``."""
+def _ids(values: Any, side: str, kind: str, group: int) -> np.ndarray:
+    """A read-only 1-d int64 array of non-negative ids; ValueError/TypeError naming
+    ``side[group]`` (the message is built only for a value the fast path does not take)."""
     if type(values) is list and values and _INT_ONLY.issuperset(map(type, values)):
         # The common caller's form, a list of Python ints, in three calls (a small job's
         # spec cost two thirds less: bench/suites/bench_small_jobs.py). Anything else,
@@ -131,6 +132,7 @@ def _ids(values: Any, what: str, kind: str, group: int) -> np.ndarray:
             else:
                 array.setflags(write=False)
                 return array
+    what = f"{side}[{group}]"
     array, fresh = int64_ids(values, what)
     if not fresh:
         array = array.copy()  # a private copy: the spec is immutable
@@ -142,6 +144,8 @@ def _ids(values: Any, what: str, kind: str, group: int) -> np.ndarray:
 
 
 def _per_group(values: Any, what: str) -> Sequence[Any]:
+    if type(values) is list or type(values) is tuple:
+        return values
     if isinstance(values, (str, bytes, torch.Tensor)) or not isinstance(
         values, (Sequence, np.ndarray)
     ):
@@ -171,32 +175,26 @@ class JobSpec:
         host = _per_group(self.host_blocks, "host_blocks")
         if len(gpu) != len(host):
             raise ValueError(f"gpu_blocks has {len(gpu)} groups but host_blocks has {len(host)}")
-        first: Sequence[Any]
+        indices: list[int] | tuple[int, ...]
         if self.first_block_index is None:
-            first = [0] * len(gpu)
+            indices = (0,) * len(gpu)
         else:
             first = _per_group(self.first_block_index, "first_block_index")
             if len(first) != len(gpu):
                 raise ValueError(
                     f"first_block_index has {len(first)} groups but gpu_blocks has {len(gpu)}"
                 )
-        indices = []
-        for group, value in enumerate(first):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                raise TypeError(f"first_block_index[{group}] {value!r} is not an int")
-            if value < 0:
-                raise ValueError(f"first_block_index[{group}] {value} is negative")
-            indices.append(int(value))
-        object.__setattr__(
-            self,
-            "gpu_blocks",
-            tuple(_ids(v, f"gpu_blocks[{g}]", "GPU block", g) for g, v in enumerate(gpu)),
-        )
-        object.__setattr__(
-            self,
-            "host_blocks",
-            tuple(_ids(v, f"host_blocks[{g}]", "host block", g) for g, v in enumerate(host)),
-        )
+            indices = []
+            for group, value in enumerate(first):
+                if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                    raise TypeError(f"first_block_index[{group}] {value!r} is not an int")
+                if value < 0:
+                    raise ValueError(f"first_block_index[{group}] {value} is negative")
+                indices.append(int(value))
+        gpu_ids = tuple([_ids(v, "gpu_blocks", "GPU block", g) for g, v in enumerate(gpu)])
+        host_ids = tuple([_ids(v, "host_blocks", "host block", g) for g, v in enumerate(host)])
+        object.__setattr__(self, "gpu_blocks", gpu_ids)
+        object.__setattr__(self, "host_blocks", host_ids)
         object.__setattr__(self, "first_block_index", tuple(indices))
 
     @property
@@ -275,11 +273,12 @@ def pair_table(
         raise ValueError(
             f"the job has {spec.num_groups} groups but the engine has {layout.num_groups}"
         )
-    try:
-        direction = Direction(direction)
-    except ValueError:
-        raise ValueError(f"direction {direction!r} is not a Direction") from None
-    if spec.num_pairs <= SMALL_JOB_PAIRS:
+    if type(direction) is not Direction:
+        try:
+            direction = Direction(direction)
+        except ValueError:
+            raise ValueError(f"direction {direction!r} is not a Direction") from None
+    if sum([blocks.size for blocks in spec.gpu_blocks]) <= SMALL_JOB_PAIRS:
         return _small_pair_table(layout, pool_rows, spec, direction)
     bpc = layout.blocks_per_chunk
     assert spec.first_block_index is not None
@@ -332,16 +331,19 @@ def _too_few_hosts(group: int, count: int, slot: int, bpc: int, hosts: int) -> s
 def _small_pair_table(
     layout: CacheLayout, pool_rows: int, spec: JobSpec, direction: Direction
 ) -> PairTable:
-    """:func:`pair_table` with Python ints: the same table, checks and messages."""
+    """:func:`pair_table` with Python ints: the same table, checks and messages.
+
+    Each pair's destination gets one int key (store: group, pool row and slot; load:
+    group and GPU block), so a job without a clash costs one set; the pairs are walked
+    in order only to name the first clash.
+    """
     bpc = layout.blocks_per_chunk
-    assert spec.first_block_index is not None
-    rows: list[tuple[int, int, int]] = []
+    store = direction == Direction.TO_POOL
+    flat: list[int] = []  # the table, row-major
+    keys: list[int] = []
     offsets = [0]
-    groups: list[int] = []
-    for group, (block_array, host_array, first) in enumerate(
-        zip(spec.gpu_blocks, spec.host_blocks, spec.first_block_index, strict=True)
-    ):
-        blocks, hosts = block_array.tolist(), host_array.tolist()
+    for group, first in enumerate(spec.first_block_index or ()):
+        blocks, hosts = spec.gpu_blocks[group].tolist(), spec.host_blocks[group].tolist()
         limit = layout.group_num_blocks[group]
         if blocks and max(blocks) >= limit:
             raise ValueError(
@@ -353,12 +355,30 @@ def _small_pair_table(
         slot = first % bpc
         if blocks and (slot + len(blocks) - 1) // bpc >= len(hosts):
             raise ValueError(_too_few_hosts(group, len(blocks), slot, bpc, len(hosts)))
-        for k, block in enumerate(blocks):
-            position = slot + k
-            rows.append((block, hosts[position // bpc], position % bpc))
-        groups += [group] * len(blocks)
-        offsets.append(len(rows))
-    if direction == Direction.TO_POOL:
+        # Keys of different groups differ: ids are below pool_rows (store) or limit (load).
+        key_base = group * pool_rows * bpc if store else group * (1 << 63)
+        for position, block in enumerate(blocks, slot):
+            row, row_slot = hosts[position // bpc], position % bpc
+            flat += (block, row, row_slot)
+            keys.append(key_base + row * bpc + row_slot if store else key_base + block)
+        offsets.append(len(keys))
+    if len(set(keys)) != len(keys) or (store and layout.pool_shared_groups):
+        _small_clashes(layout, flat, offsets, store)
+    pairs = np.array(flat, dtype=np.int64).reshape(-1, 3)
+    offset_array = np.array(offsets, dtype=np.int64)
+    if not store and layout.alias_rules:
+        # Groups aliasing cache memory meet by byte range, not by equal block ids.
+        _check_cache_aliasing(layout, pairs, offset_array)
+    return PairTable(pairs, offset_array)
+
+
+def _small_clashes(layout: CacheLayout, flat: list[int], offsets: list[int], store: bool) -> None:
+    """ValueError naming the first clash of a small job's pairs (``flat``: the table
+    row-major), in :func:`pair_table`'s order and words: two pairs of one group writing
+    one destination, then (stores) a pool row written by groups sharing its bytes."""
+    rows = [tuple(flat[i : i + 3]) for i in range(0, len(flat), 3)]
+    groups = [g for g in range(len(offsets) - 1) for _ in range(offsets[g + 1] - offsets[g])]
+    if store:
         seen: dict[tuple[int, int, int], int] = {}
         for j, (row, group) in enumerate(zip(rows, groups, strict=True)):
             i = seen.setdefault((group, row[1], row[2]), j)
@@ -370,11 +390,7 @@ def _small_pair_table(
             i = seen_blocks.setdefault((group, row[0]), j)
             if i != j:
                 raise ValueError(_cache_clash(i, j, row[0], group))
-        pairs = np.array(rows, dtype=np.int64).reshape(-1, 3)
-        offset_array = np.array(offsets, dtype=np.int64)
-        # Groups aliasing cache memory meet by byte range, not by equal block ids.
-        _check_cache_aliasing(layout, pairs, offset_array)
-        return PairTable(pairs, offset_array)
+        return
     shared, column, what = layout.pool_shared_groups, 1, "pool row"
     if shared:
         writers: dict[int, set[int]] = {}
@@ -384,8 +400,6 @@ def _small_pair_table(
             for g, h in shared:  # sorted pairs: the message names the lowest clash
                 if g in writers[ident] and h in writers[ident]:
                     raise ValueError(_shared_clash(what, ident, g, h))
-    pairs = np.array(rows, dtype=np.int64).reshape(-1, 3)
-    return PairTable(pairs, np.array(offsets, dtype=np.int64))
 
 
 def _pool_clash(i: int, j: int, row: int, slot: int, group: int) -> str:
