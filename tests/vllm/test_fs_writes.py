@@ -11,6 +11,9 @@ writer killed half-way must not stop the other from storing the chunk.
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
+import textwrap
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -102,8 +105,35 @@ def test_a_killed_writers_leftover_does_not_stop_the_chunk_being_stored(
     assert Path(leftover).read_bytes() == payload[: CHUNK // 2]  # another writer's file
 
 
-def test_without_the_spec_vllms_names_collide(vllm_names: None) -> None:
-    """The judge can fail: vLLM's own suffixes, seeded alike, are equal."""
-    first = in_seeded_writer(lambda: io._get_tmp_suffix())
-    second = in_seeded_writer(lambda: io._get_tmp_suffix())
-    assert first == second
+def test_without_the_spec_vllms_names_collide() -> None:
+    """The judge can fail: in a process where no spec was built, vLLM's own suffixes of
+    two writer threads seeded alike are equal."""
+    script = textwrap.dedent(
+        """
+        import random, sys, threading
+        from vllm.v1.kv_offload.tiering.fs import io
+
+        SEED = int(sys.argv[1])
+
+        suffixes = []
+
+        def writer():
+            random.seed(SEED)
+            suffixes.append(io._get_tmp_suffix())
+
+        for _ in range(2):
+            thread = threading.Thread(target=writer)
+            thread.start()
+            thread.join()
+        print(suffixes[0] == suffixes[1], suffixes[0])
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(SEED)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    equal, suffix = done.stdout.split()
+    assert equal == "True" and suffix.endswith(".tmp"), done.stdout

@@ -177,6 +177,48 @@ def _unlink_region_files(engine_id: str) -> None:
             os.unlink(path)
 
 
+#: A worker's note written this soon after the scheduler's process started is not taken
+#: as proof of a mapping (the process start is known to the second only).
+_START_MARGIN_S = 1.0
+
+
+def _process_start_time() -> float | None:
+    """When this process started, in seconds since the epoch (None off Linux)."""
+    try:
+        with open("/proc/self/stat") as stat_file:
+            # Field 22 is the start in clock ticks after boot; fields from the 3rd on
+            # follow the command name's closing parenthesis.
+            ticks = int(stat_file.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as boot_file:
+            boot = next(int(line.split()[1]) for line in boot_file if line.startswith("btime"))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def unlink_region_once_mapped(engine_id: str, worker_notes: list[str]) -> bool:
+    """Unlink the engine's region files (vLLM's tiering layout: the scheduler maps the
+    region by name after the workers) when each worker's note in ``worker_notes``, which
+    a worker writes once it holds its mapping, is newer than this (the scheduler's)
+    process: then every party of this engine has mapped the region and none opens it by
+    name again, so the memory goes when the last of them exits, however it exits. A
+    missing or older note (a scheduler built before its workers, a note left by a killed
+    engine of the same id) leaves the file for the workers to join and for its creator
+    to remove at shutdown. Returns whether it unlinked."""
+    started = _process_start_time()
+    if started is None:
+        return False
+    for note in worker_notes:
+        try:
+            written = os.stat(note).st_mtime
+        except OSError:
+            return False
+        if written < started + _START_MARGIN_S:
+            return False
+    _unlink_region_files(engine_id)
+    return True
+
+
 def create_worker_region(
     plan: RegionPlan, *, barrier: Callable[[], None] | None, tiering: bool = False
 ) -> Any:
@@ -440,6 +482,7 @@ __all__ = [
     "lock_worker_pages",
     "memory_fence",
     "release_region",
+    "unlink_region_once_mapped",
     "unlock_worker_pages",
     "wait_until",
     "worker_pool_view",

@@ -119,6 +119,7 @@ from triton_offload.vllm.region import (
     default_barrier,
     lock_worker_pages,
     release_region,
+    unlink_region_once_mapped,
     worker_pool_view,
 )
 from triton_offload.vllm.releases import RELEASE
@@ -127,6 +128,7 @@ from triton_offload.vllm.tiers import (
     PLANES_UNPUBLISHED,
     STOCK_ROWS,
     check_secondary_tiers,
+    layout_note_path,
     notes_are_stock,
     plane_notes,
     planes_tag,
@@ -333,6 +335,22 @@ class TritonWorkerSide:
         manager = self._triton_manager = super().get_manager()  # type: ignore[misc]
         if first:
             self._guard_manager(manager)
+        if first and self._tiering_region:
+            # Mapped by every worker and now by the scheduler: unlinked, the region
+            # cannot outlive a killed engine in /dev/shm (vLLM keeps it linked until its
+            # creating worker shuts down).
+            engine_id = str(self.config.engine_id)
+            notes = [
+                layout_note_path(engine_id, rank)
+                for rank in range(max(1, int(self.config.parallel.world_size)))
+            ]
+            if unlink_region_once_mapped(engine_id, notes):
+                logger.info(
+                    "%s (triton_offload): region of engine %s unlinked from /dev/shm once "
+                    "every worker and the scheduler mapped it",
+                    type(self).__name__,
+                    engine_id,
+                )
         if first:
             warn_stock_lookup_hazards(self.config)
             logger.info(
@@ -530,14 +548,15 @@ class TritonWorkerSide:
         if self.num_chunks >= 1 or self.config.worker_kv_bytes_per_block <= 0:
             return  # a worker without KV bytes maps nothing (vLLM counts no chunk there)
         copies = 1 if self.replicated_layout else int(self.config.parallel.world_size)
-        seals = f" + {SEAL_BYTES}-byte seal" if self.sealed_pages else ""
+        seals = f" + a {SEAL_BYTES}-byte seal" if self.sealed_pages else ""
         raise ValueError(
             f"kv_connector_extra_config['cpu_bytes_to_use'] "
             f"{self.extra_config.get('cpu_bytes_to_use')} holds no chunk: one chunk takes "
-            f"{self.kv_bytes_per_chunk} bytes ({copies} page(s) of "
+            f"{self.kv_bytes_per_chunk} bytes ({copies} worker page(s) of "
             f"{self.blocks_per_chunk} blocks x {self.config.worker_kv_bytes_per_block} "
-            f"bytes{seals}, rounded up to {self.BLOCK_SIZE_ALIGNMENT}); give at least "
-            f"{self.kv_bytes_per_chunk}, and many chunks more to hold any prefix"
+            f"bytes{seals} each, the row rounded up to {self.BLOCK_SIZE_ALIGNMENT} bytes); "
+            f"give at least {self.kv_bytes_per_chunk} (one chunk), and many times that to "
+            "hold whole prompts"
         )
 
     def _planes_note_for(self, kv_caches: Any, layout: CacheLayout | None) -> str | None:
