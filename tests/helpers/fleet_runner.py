@@ -231,10 +231,10 @@ class Runner:
 
 def stall_fs_store(chunk_file: str, marker: str) -> None:
     """Make vLLM's fs tier write half of ``chunk_file`` into its temporary file and stop
-    that writer thread for good; every other chunk file is written as vLLM writes it
-    (see the module's docstring). vLLM's writer publishes a chunk with ``os.replace``
-    from the temporary file once it is whole: the half file is what a kill in the middle
-    of that store leaves.
+    that writer thread for good, after writing the other chunk files of the same batch
+    whole, as vLLM writes them (see the module's docstring). vLLM's writer publishes a
+    chunk with ``os.replace`` from the temporary file once it is whole: the half file is
+    what a kill in the middle of that store leaves.
     """
     from vllm.v1.kv_offload.tiering.fs import io, manager
 
@@ -248,7 +248,10 @@ def stall_fs_store(chunk_file: str, marker: str) -> None:
         block_size: int,
         use_o_direct: bool = True,
     ) -> None:
-        for path, offset in zip(paths, offsets, strict=True):
+        # The batch's other chunks first (vLLM's order inside a batch is not the
+        # prompt's), then the stall.
+        batch = sorted(zip(paths, offsets, strict=True), key=lambda item: item[0] == chunk_file)
+        for path, offset in batch:
             if path != chunk_file:
                 write_whole([path], view, [offset], block_size, use_o_direct)
                 whole.append(path)
