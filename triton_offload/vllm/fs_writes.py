@@ -15,9 +15,10 @@ writes. Engines of one seed sharing a tier therefore draw the same suffixes:
   (``EEXIST``): the chunk is never stored again, and no prefix through it is served
   from the tier.
 
-:func:`use_unique_temporary_names` makes each writer thread's suffix 16 hex digits from
-the operating system's randomness (``secrets``), which no seed decides. The chunk names
-and the write-then-rename stay vLLM's: a reader only ever opens a whole file. A killed
+:func:`use_unique_temporary_names` draws each writer thread's suffix from the operating
+system's randomness (``secrets``), which no seed decides, in vLLM's shape (``_<a number
+below 2**63>.tmp``, as ``triton-offload tier`` recognises it). The chunk names and the
+write-then-rename stay vLLM's: a reader only ever opens a whole file. A killed
 writer's temporary file stays behind, never read (its name is no chunk's); remove
 ``*.tmp`` files below the tier's root that are older than any write in progress.
 """
@@ -35,7 +36,7 @@ def unique_temporary_suffix() -> str:
     operating system's randomness."""
     suffix: str | None = getattr(_writers, "suffix", None)
     if suffix is None:
-        suffix = _writers.suffix = f"_{secrets.token_hex(8)}.tmp"
+        suffix = _writers.suffix = f"_{secrets.randbits(63)}.tmp"
     return suffix
 
 
