@@ -123,7 +123,9 @@ class HostCopier(Copier):
         self, table: PairTable, direction: int, planes: PlaneSubset, holds: JobHolds, stream: Any
     ) -> Callable[[], None]:
         layout, address, stride = self.layout, self.pool_address, self.row_stride
-        parts = writer_parts(layout, table, direction, _planes_of(layout, planes))
+        if planes is not None and len(planes) == len(layout.planes):
+            planes = None
+        parts = writer_parts(layout, table, direction, planes)
 
         def run() -> None:
             for part, subset in parts:

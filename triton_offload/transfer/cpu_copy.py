@@ -153,17 +153,19 @@ class RunBuilder:
     def __init__(self, layout: CacheLayout) -> None:
         self.layout = layout
         self._stacks: dict[tuple[int, ...] | None, list[tuple[np.ndarray, ...] | None]] = {}
-        self._pages: dict[tuple[int, ...] | None, SmallGeometry] = {}
+        self._pages: dict[tuple[int, ...] | None, tuple[SmallGeometry, int]] = {}
 
-    def page_geometry(self, planes: Sequence[int] | None) -> SmallGeometry:
+    def page_geometry(self, planes: Sequence[int] | None) -> tuple[SmallGeometry, int]:
         """Per group, the chosen planes' ``(cache base, block stride, page bytes, pool
-        offset, pool slot stride)`` as Python ints (kept per plane subset)."""
+        offset, pool slot stride)`` as Python ints, and the most planes any group has
+        (kept per plane subset)."""
         key = None if planes is None else tuple(planes)
-        geometry = self._pages.get(key)
-        if geometry is None:
+        found = self._pages.get(key)
+        if found is None:
             geometry = _page_geometry(self.layout, planes)
-            self._pages[key] = geometry
-        return geometry
+            found = geometry, max(map(len, geometry), default=0)
+            self._pages[key] = found
+        return found
 
     def _stack(self, planes: Sequence[int] | None) -> list[tuple[np.ndarray, ...] | None]:
         key = None if planes is None else tuple(sorted(planes))
@@ -268,10 +270,13 @@ def copy_pages(
     """
     builder = RunBuilder(layout) if runs is None else runs
     if pairs.shape[0] <= SMALL_JOB_PAGES:
-        geometry = builder.page_geometry(planes)
+        geometry, widest = builder.page_geometry(planes)
         bounds = group_offsets.tolist()
-        pages = sum((bounds[g + 1] - bounds[g]) * len(chosen) for g, chosen in enumerate(geometry))
-        if pages <= SMALL_JOB_PAGES:
+        # pairs * the most planes of a group bounds the pages: counted only above the limit.
+        if pairs.shape[0] * widest <= SMALL_JOB_PAGES or (
+            sum((bounds[g + 1] - bounds[g]) * len(chosen) for g, chosen in enumerate(geometry))
+            <= SMALL_JOB_PAGES
+        ):
             return _copy_small(
                 pool_address, pool_row_bytes, pairs.tolist(), bounds, direction, geometry
             )

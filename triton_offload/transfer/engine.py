@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import threading
 import time
 import weakref
@@ -364,6 +365,7 @@ class TransferEngine:
         self._active: dict[Hashable, RunningJob] = {}
         # path_name per assignment: the policy hands out a few assignments, over and over.
         self._path_names: dict[Assignment, str] = {}
+        self._last_path: tuple[Assignment | None, str] = (None, "")
         self._queues: dict[int, deque[RunningJob]] = {lane: deque() for lane in LANES}
         self._finished: deque[RunningJob] = deque()  # CPU: completed, in completion order
         # Finished jobs a get_finished call took but could not return (interrupted).
@@ -501,7 +503,8 @@ class TransferEngine:
         (an engine made with ``page_checksums``): its result carries the checksum of
         every pool row it names, whole payload, computed where the bytes moved.
         """
-        _refuse_positional_lists("submit_store", positional_lists)
+        if positional_lists:
+            _refuse_positional_lists("submit_store", positional_lists)
         spec = JobSpec.of(
             spec,
             gpu_blocks=gpu_blocks,
@@ -533,7 +536,8 @@ class TransferEngine:
         ``checksum=True``: as for :meth:`submit_store`, of the pool bytes the job read
         (and of the slots of its rows it did not move).
         """
-        _refuse_positional_lists("submit_load", positional_lists)
+        if positional_lists:
+            _refuse_positional_lists("submit_load", positional_lists)
         if not isinstance(expedited, bool):
             raise TypeError(f"expedited must be a bool, got {expedited!r}")
         spec = JobSpec.of(
@@ -818,14 +822,19 @@ class TransferEngine:
             raise ValueError(f"job id {job_id!r} is not hashable") from None
         # A reallocated cache would be read or written through stale addresses.
         self.layout.check_sources()
-        table = self.build_job_table(spec, direction)
+        table = pair_table(self.layout, self.num_host_blocks, spec, direction)
         counts = [blocks.size for blocks in spec.gpu_blocks]
-        size = sum(c * b for c, b in zip(counts, self._bytes_per_block, strict=True))
+        # One count per group of the engine: pair_table checked the number of groups.
+        size = sum(map(operator.mul, counts, self._bytes_per_block))
         if assignment is None:
             assignment = self.policy.assign(direction, counts)
-        path = self._path_names.get(assignment)
-        if path is None:
-            path = self._path_names.setdefault(assignment, path_name(assignment))
+        last = self._last_path  # (assignment, its path name), read once: threads replace it
+        if last[0] is assignment:
+            path = last[1]
+        else:
+            path = self._path_names.get(assignment) or path_name(assignment)
+            self._path_names[assignment] = path
+            self._last_path = (assignment, path)
         job = RunningJob(
             job_id,
             direction,
@@ -989,7 +998,8 @@ class TransferEngine:
                 raise
         finally:
             # The copy returned: nothing reads the job's staging any more.
-            job.holds.release_after(None)
+            if job.holds.releases:
+                job.holds.release_after(None)
             # Queued and marked finished under one hold of the lock: get_finished takes
             # only marked jobs, so one interrupted between the two lines is not taken
             # before _submit's handler marks it.

@@ -120,6 +120,11 @@ class RunningJob:
         return self.end is None or bool(self.end.query())
 
     def result(self) -> TransferResult:
+        if self.start is None and not self.checksum:  # the CPU path's plain job
+            path = self.path or path_name(self.assignment)
+            return TransferResult(
+                self.job_id, self.success, self.transfer_size, self.transfer_time, None, path
+            )
         seconds = self.transfer_time
         if self.success and self.start is not None and self.end is not None:
             seconds = self.start.elapsed_time(self.end) / 1e3

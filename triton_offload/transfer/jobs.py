@@ -143,6 +143,25 @@ def _ids(values: Any, side: str, kind: str, group: int) -> np.ndarray:
     return array
 
 
+def _plain_ids(groups: list[Any]) -> tuple[np.ndarray, ...] | None:
+    """Per group, the read-only int64 array of a list of non-negative Python ints (what
+    :func:`_ids` makes of it); None unless every group is such a list that fits int64
+    (the general path then gives the messages)."""
+    arrays = []
+    for values in groups:
+        if type(values) is not list or not _INT_ONLY.issuperset(map(type, values)):
+            return None
+        if values and min(values) < 0:
+            return None
+        try:
+            array = np.array(values, dtype=np.int64)
+        except OverflowError:
+            return None
+        array.setflags(write=False)
+        arrays.append(array)
+    return tuple(arrays)
+
+
 def _per_group(values: Any, what: str) -> Sequence[Any]:
     if type(values) is list or type(values) is tuple:
         return values
@@ -240,6 +259,21 @@ class JobSpec:
             return spec
         if gpu_blocks is None or host_blocks is None:
             raise TypeError("a job needs gpu_blocks= and host_blocks= (or a JobSpec)")
+        if (
+            first_block_index is None
+            and type(gpu_blocks) is list
+            and type(host_blocks) is list
+            and len(gpu_blocks) == len(host_blocks)
+        ):
+            # Lists of lists of non-negative Python ints, the common caller's form: the
+            # spec __post_init__ would make, without its per-value dispatch.
+            gpu_ids, host_ids = _plain_ids(gpu_blocks), _plain_ids(host_blocks)
+            if gpu_ids is not None and host_ids is not None:
+                made = object.__new__(cls)
+                object.__setattr__(made, "gpu_blocks", gpu_ids)
+                object.__setattr__(made, "host_blocks", host_ids)
+                object.__setattr__(made, "first_block_index", (0,) * len(gpu_ids))
+                return made
         return cls(gpu_blocks, host_blocks, first_block_index)
 
 
