@@ -329,3 +329,42 @@ def test_a_job_spec_takes_ids_in_any_integer_form_as_read_only_int64(ids: Any) -
 def test_a_list_of_ids_is_refused_naming_the_bad_id(ids: list, error: type, message: str) -> None:
     with pytest.raises(error, match=re.escape(message)):
         JobSpec([ids], [[0]])
+
+
+@pytest.mark.parametrize(
+    ("gpu", "host"),
+    [
+        ([[1, 2], [3]], [[0], [4]]),
+        ([[], [3]], [[], [4]]),
+        ([[1], [2]], [[0], (4,)]),
+        ([[1, True]], [[0]]),
+        ([[1, -2]], [[0]]),
+        ([[1]], [[2**63]]),
+        ([[1, 2.0]], [[0]]),
+        ([[1]], [[0], [1]]),
+        ([[np.int64(1)]], [[0]]),
+        ([[1]], ["ab"]),
+    ],
+    ids=str,
+)
+def test_keyword_lists_make_the_spec_the_constructor_makes(gpu: Any, host: Any) -> None:
+    """JobSpec.of's keyword lists (the submit path) give the spec JobSpec(...) gives, or
+    its error: same arrays (int64, read-only) and first indices, same exception."""
+    try:
+        expected: JobSpec | BaseException = JobSpec(gpu, host)
+    except (TypeError, ValueError) as error:
+        expected = error
+    if isinstance(expected, BaseException):
+        with pytest.raises(type(expected), match=re.escape(str(expected))):
+            JobSpec.of(None, gpu_blocks=gpu, host_blocks=host)
+        return
+    made = JobSpec.of(None, gpu_blocks=gpu, host_blocks=host)
+    assert made.first_block_index == expected.first_block_index
+    for side in ("gpu_blocks", "host_blocks"):
+        got, want = getattr(made, side), getattr(expected, side)
+        assert len(got) == len(want)
+        for array, reference in zip(got, want, strict=True):
+            assert array.dtype == np.int64 and not array.flags.writeable
+            assert np.array_equal(array, reference)
+    gpu[0].append(7)  # the caller's list is not the spec's
+    assert made.gpu_blocks[0].tolist() == expected.gpu_blocks[0].tolist()
