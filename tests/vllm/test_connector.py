@@ -225,6 +225,7 @@ def test_factory_resolves_the_connector_by_module_path() -> None:
         kv_connector="TritonOffloadingConnector",
         kv_connector_module_path=MODULE,
         kv_role="kv_both",
+        kv_connector_extra_config={"cpu_bytes_to_use": 1 << 20},
     )
     assert KVConnectorFactory.get_connector_class(config) is tv.TritonOffloadingConnector
     assert KVConnectorFactory.supports_hma_config(config)

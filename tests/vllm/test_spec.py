@@ -522,10 +522,15 @@ def test_get_worker_rejects_bad_caches(tv: Any) -> None:
     )
     with pytest.raises(ValueError, match="bytes of one block must be contiguous"):
         spec.get_worker(scattered)
-    tiny = tv.TritonOffloadingSpec(_config({"cpu_bytes_to_use": PAGE - 1}))
-    assert tiny.num_chunks == 0
-    with pytest.raises(ValueError, match=f"cpu_bytes_to_use {PAGE - 1} holds no chunk"):
-        tiny.get_worker(caches.canonical)
+    # Refused where the chunk's bytes are first known, when the spec is built (the
+    # scheduler and every worker), naming the least capacity that holds one chunk.
+    with pytest.raises(
+        ValueError,
+        match=rf"\['cpu_bytes_to_use'\] {PAGE - 1} holds no chunk: one chunk takes {PAGE} bytes"
+        rf".*give at least {PAGE} \(one chunk\)",
+    ):
+        tv.TritonOffloadingSpec(_config({"cpu_bytes_to_use": PAGE - 1}))
+    assert tv.TritonOffloadingSpec(_config({"cpu_bytes_to_use": PAGE})).num_chunks == 1
 
 
 @needs_vllm

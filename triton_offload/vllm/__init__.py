@@ -29,6 +29,7 @@ and read one name), so the plugin and a lookup of one class load only what they 
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.util
 from typing import TYPE_CHECKING, Any
@@ -129,10 +130,20 @@ if TYPE_CHECKING:
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        # vLLM reports a misspelt kv_connector as "Class ... not found in" this module,
+        # with this error as its cause: name the class meant.
+        close = difflib.get_close_matches(name, list(_EXPORTS), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}{hint}")
     # Not cached in this module's namespace: the defining module stays the one source
     # (a test or a re-import that replaces it is seen at once).
-    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    if name == "TritonOffloadingConnector":
+        # vLLM's connector factory looks the class up here, from the front-end process
+        # while it builds its config: the earliest point a bad configuration can be
+        # refused, before any model loads.
+        value.on_class_lookup()
+    return value
 
 
 def __dir__() -> list[str]:

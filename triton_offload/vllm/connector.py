@@ -28,6 +28,7 @@ The plan, the span check and the manager-backed presence rows live in
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from triton_offload.planner.groups import GroupKind
@@ -54,6 +55,7 @@ from triton_offload.vllm.layerwise import (
     attention_runs_outside_graphs,
     layer_stages,
 )
+from triton_offload.vllm.options import OWN_SPECS, check_extra_config
 from triton_offload.vllm.planning import (
     PLANNED_LOOKUPS,
     LazyPresence,
@@ -627,17 +629,39 @@ class TritonOffloadingConnectorWorker(OffloadingConnectorWorker):  # type: ignor
         return meta
 
 
-class TritonOffloadingConnector(OffloadingConnector):  # type: ignore[misc]
+class TritonOffloadingConnector(RELEASE.ConnectorClassHooks, OffloadingConnector):  # type: ignore[misc,name-defined]
     """vLLM's ``OffloadingConnector`` with spans cross-checked and planned lookups.
 
     Uses ``TritonOffloadingSpec`` unless ``kv_connector_extra_config`` names a
-    ``spec_name``. At start-up (scheduler and every worker) the planner's spans from
+    ``spec_name``. Its configuration is checked (:meth:`check_transfer_config`) at the
+    first call vLLM makes into the class with it, in the front-end process while vLLM
+    builds its config, before the model loads (the release adapter says which call).
+    At start-up (scheduler and every worker) the planner's spans from
     the cache specs must equal vLLM's ``OffloadingConfig`` (ValueError naming each
     group otherwise). The scheduler role answers complete-chunk lookups with the
     planner (see ``TritonOffloadingConnectorScheduler``); vLLM builds its scheduler
     inside ``OffloadingConnector.__init__`` with no hook, so the instance is given
     the subclass afterwards (it adds methods, no state vLLM reads).
     """
+
+    @classmethod
+    def check_transfer_config(cls, kv_transfer_config: Any) -> None:
+        """ValueError (or TypeError) naming the first mistake in the extra config of the
+        spec this connector would build (:func:`check_extra_config`); vLLM's own specs,
+        named by ``spec_name``, are left to vLLM."""
+        extra = kv_transfer_config.kv_connector_extra_config
+        spec_name = extra.get("spec_name", SPEC_NAME) if isinstance(extra, Mapping) else SPEC_NAME
+        if spec_name in OWN_SPECS:
+            check_extra_config(extra, spec_name)
+
+    @classmethod
+    def on_class_lookup(cls) -> None:
+        """Called by this package's lazy loader whenever the class is looked up: where the
+        release hands the class no config, the one vLLM's connector factory is looking it
+        up for is checked now."""
+        config = RELEASE.config_of_class_lookup()
+        if config is not None and getattr(config, "kv_connector", None) == CONNECTOR_NAME:
+            cls.check_transfer_config(config)
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
         transfer = vllm_config.kv_transfer_config

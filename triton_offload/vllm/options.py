@@ -1,10 +1,17 @@
 """This backend's own ``kv_connector_extra_config`` keys, validated before anything is built.
 
 vLLM's own keys (``cpu_bytes_to_use``, ``blocks_per_chunk`` ...) are read by vLLM's spec;
-:func:`validate_cpu_bytes` only checks the one whose wrong value would otherwise be
-reported far from its cause. Every error names the key and the value. A key that
-neither this backend nor the installed vLLM reads is an error naming the closest known
-key (:func:`check_known_keys`): a misspelt ``verify_chunks`` silently left sealing on.
+:func:`validate_cpu_bytes` and :func:`check_chunk_size` only check the ones whose wrong
+value would otherwise be reported far from its cause. Every error names the key and the
+value. A key that neither this backend nor the installed vLLM reads is an error naming
+the closest known key (:func:`check_known_keys`): a misspelt ``verify_chunks`` silently
+left sealing on.
+
+:func:`check_extra_config` runs every check that needs nothing but the configuration
+(:data:`START_UP_CHECKS`). ``TritonOffloadingConnector`` calls it while vLLM builds its
+config in the front-end process, before any engine process starts or any model loads
+(where each release calls in: :mod:`triton_offload.vllm.releases`); the specs call it
+again when they are built, so vLLM's plain ``OffloadingConnector`` gets the same checks.
 """
 
 from __future__ import annotations
@@ -12,13 +19,21 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-from collections.abc import Iterable, Mapping
+import os
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from triton_offload.transfer.copiers import check_num_programs
 from triton_offload.transfer.engine import Backend
 from triton_offload.transfer.jobs import FROM_POOL, TO_POOL
 from triton_offload.transfer.selection import parse_crossover
+from triton_offload.vllm.compat import (
+    SPEC_NAME,
+    TIERING_SPEC_NAME,
+    installed_vllm_version,
+    vllm_extra_config_keys,
+)
+from triton_offload.vllm.tiers import check_secondary_tiers
 
 #: Extra-config keys read by this backend on top of vLLM's CPU spec keys.
 EXTRA_CONFIG_KEYS = (
@@ -194,10 +209,151 @@ def check_known_keys(extra: Mapping[str, Any], vllm_keys: Iterable[str], release
         )
 
 
+def check_chunk_size(extra: Mapping[str, Any]) -> None:
+    """vLLM's chunk-size keys as vLLM's offloading config reads them: at most one of
+    ``blocks_per_chunk`` and ``block_size``, each a positive integer (vLLM takes
+    ``int(value)``, so an integer written as a string is accepted; a fraction, which vLLM
+    would cut down without a word, is not)."""
+    given = [key for key in ("blocks_per_chunk", "block_size") if extra.get(key) is not None]
+    if len(given) == 2:
+        raise ValueError(
+            "Specify only one of 'block_size' or 'blocks_per_chunk' in "
+            f"kv_connector_extra_config (got block_size={extra['block_size']!r}, "
+            f"blocks_per_chunk={extra['blocks_per_chunk']!r})"
+        )
+    for key in given:
+        value = extra[key]
+        whole = isinstance(value, int) and not isinstance(value, bool)
+        if isinstance(value, str) and value.strip().isdigit():
+            whole, value = True, int(value)
+        if not whole or value < 1:
+            unit = "GPU blocks per chunk" if key == "blocks_per_chunk" else "tokens per chunk"
+            raise ValueError(
+                f"kv_connector_extra_config[{key!r}] ({unit}) must be a positive integer, "
+                f"got {extra[key]!r}"
+            )
+
+
+def check_canonical_layout(extra: Mapping[str, Any], spec_name: str) -> None:
+    """``canonical_layout`` only where the spec honours it (the tiering spec)."""
+    if extra.get("canonical_layout") and spec_name != TIERING_SPEC_NAME:
+        raise ValueError(
+            "kv_connector_extra_config['canonical_layout'] is not supported by "
+            f"{spec_name}: its host rows hold each worker's own pages in this project's "
+            "row layout, not vLLM's canonical pages (vLLM's CPU spec ignores the flag; "
+            f"use {TIERING_SPEC_NAME}, which honours it)"
+        )
+
+
+def _known_keys(extra: Mapping[str, Any], spec_name: str) -> None:
+    check_known_keys(extra, vllm_extra_config_keys(), installed_vllm_version())
+
+
+def _cpu_bytes(extra: Mapping[str, Any], spec_name: str) -> None:
+    validate_cpu_bytes(extra)
+
+
+def _chunk_size(extra: Mapping[str, Any], spec_name: str) -> None:
+    check_chunk_size(extra)
+
+
+def _engine_options(extra: Mapping[str, Any], spec_name: str) -> None:
+    EngineOptions.from_extra_config(extra)
+
+
+def _folder_problem(root: str) -> str | None:
+    """Why folder ``root`` cannot be created or used, or None. Judged on the nearest
+    part of the path that exists; ownership and modes are the tiers' own check's."""
+    path = os.path.abspath(root)
+    if os.path.lexists(path):
+        return None if os.path.isdir(path) else f"{path} exists and is not a folder"
+    existing = os.path.dirname(path)
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"{existing} is a file, not a folder, so nothing can be created under it"
+    if os.statvfs(existing).f_flag & os.ST_RDONLY:
+        return f"{existing} is on a read-only file system"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable by this user (uid {os.geteuid()})"
+    return None
+
+
+def check_tier_folders(extra: Mapping[str, Any]) -> None:
+    """Every ``fs`` secondary tier's ``root_dir`` is a folder, or can be created: a
+    ValueError names the key, the folder and what is wrong with it."""
+    tiers = extra.get("secondary_tiers", [])
+    if not isinstance(tiers, list):
+        return  # vLLM's tiering spec refuses a non-list in its own words
+    for index, tier in enumerate(tiers):
+        if not isinstance(tier, Mapping) or tier.get("type") != "fs":
+            continue
+        root = tier.get("root_dir")
+        if not isinstance(root, str) or not root:
+            continue  # vLLM's fs tier and the tiers' check name these
+        problem = _folder_problem(root)
+        if problem is not None:
+            raise ValueError(
+                f"kv_connector_extra_config['secondary_tiers'][{index}]['root_dir'] "
+                f"{root!r} cannot be used as the fs tier's folder: {problem}"
+            )
+
+
+def _secondary_tiers(extra: Mapping[str, Any], spec_name: str) -> None:
+    if spec_name == TIERING_SPEC_NAME:
+        check_tier_folders(extra)
+        check_secondary_tiers(
+            extra.get("secondary_tiers", []),
+            spec_name,
+            canonical=bool(extra.get("canonical_layout")),
+        )
+
+
+#: A check of one spec's extra config: ``check(extra, spec_name)`` raises ValueError (or
+#: TypeError) naming the key, the value and what is wrong, and changes nothing else
+#: unless the engine would do the same moments later (an fs tier's root is created
+#: private, as the tiering spec creates it).
+ConfigCheck = Callable[[Mapping[str, Any], str], None]
+
+#: What :func:`check_extra_config` runs, in this order; the first failure is the one
+#: reported. A check appended here runs before the model loads (through the connector)
+#: and again when either spec is built.
+START_UP_CHECKS: list[ConfigCheck] = [
+    _known_keys,
+    _cpu_bytes,
+    _chunk_size,
+    _engine_options,
+    check_canonical_layout,
+    _secondary_tiers,
+]
+
+#: The specs of this backend, whose extra config :func:`check_extra_config` judges.
+OWN_SPECS = (SPEC_NAME, TIERING_SPEC_NAME)
+
+
+def check_extra_config(extra: Any, spec_name: str) -> None:
+    """Run :data:`START_UP_CHECKS` on ``extra``, the ``kv_connector_extra_config`` of spec
+    ``spec_name`` (one of :data:`OWN_SPECS`); ValueError or TypeError names the first
+    mistake."""
+    if not isinstance(extra, Mapping):
+        raise TypeError(f"kv_connector_extra_config must be a JSON object (a dict), got {extra!r}")
+    if spec_name not in OWN_SPECS:
+        raise ValueError(f"{spec_name!r} is not one of this backend's specs {OWN_SPECS}")
+    for check in START_UP_CHECKS:
+        check(extra, spec_name)
+
+
 __all__ = [
     "BACKENDS",
     "EXTRA_CONFIG_KEYS",
+    "OWN_SPECS",
+    "START_UP_CHECKS",
+    "ConfigCheck",
     "EngineOptions",
+    "check_canonical_layout",
+    "check_chunk_size",
+    "check_extra_config",
     "check_known_keys",
+    "check_tier_folders",
     "validate_cpu_bytes",
 ]

@@ -18,6 +18,12 @@ The interface, by what differs between releases:
 - ``lookup_answer(hit, boundary)`` and ``split_lookup(answer)``: what
   ``_lookup_complete_chunks`` returns (0.33: the hit; 0.34: ``(hit, boundary)``).
 - ``eagle_drop(vllm_config)``: whether vLLM drops an EAGLE group's newest chunk.
+- Where the connector's configuration is first checked, before the model loads:
+  ``ConnectorClassHooks``, a mixin of the connector class with the classmethods the
+  release calls with the KV transfer config while it builds ``VllmConfig`` (0.34:
+  ``kv_cache_access``; 0.33: none), and ``config_of_class_lookup()``: the config vLLM's
+  connector factory is looking the class up for, where the release hands the class
+  nothing (0.33), else None.
 - ``check_workers_on_one_node()``: refuse secondary tiers on workers across nodes where
   the release's tiering spec does (a collective), else nothing.
 - The connector worker's steps, each ``f(worker, ..., stock)`` with ``stock`` vLLM's own
@@ -45,6 +51,8 @@ INTERFACE = (
     "lookup_answer",
     "split_lookup",
     "eagle_drop",
+    "ConnectorClassHooks",
+    "config_of_class_lookup",
     "check_workers_on_one_node",
     "start_kv_transfers",
     "handle_preemptions",

@@ -9,6 +9,8 @@ connector worker's ``get_finished`` asserts each result, and its scheduler has n
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import sys
 from typing import Any
 
 from triton_offload.vllm.compat import CONNECTOR_NAME, logger, supported_vllm_api
@@ -62,6 +64,43 @@ def split_lookup(answer: Any) -> tuple[int | None, int | None]:
 def eagle_drop(vllm_config: Any) -> bool:
     """0.33 always drops an EAGLE group's newest chunk (it has no lookahead hashes)."""
     return True
+
+
+class ConnectorClassHooks:
+    """None on 0.33: of the classmethods 0.33 calls on a connector class while it builds
+    its config, only ``requires_piecewise_for_cudagraph`` gets (part of) the config, and
+    only under full CUDA graphs; see :func:`config_of_class_lookup`."""
+
+
+#: vLLM's connector factory module: the caller whose frame holds the config.
+_FACTORY = "vllm.distributed.kv_transfer.kv_connector.factory"
+
+
+def config_of_class_lookup() -> Any:
+    """The KV transfer config vLLM is looking this package's connector class up for, or
+    None when the class is not being looked up by vLLM's connector factory.
+
+    0.33's front-end process looks the class up while it builds ``VllmConfig`` (its
+    hybrid-allocator check calls ``KVConnectorFactory.get_connector_class``, which
+    imports ``kv_connector_module_path`` and reads the class from it through this
+    package's lazy ``__getattr__``), long before an engine process starts or a model
+    loads, and calls nothing else of the class with the config on a CPU or under
+    ``--enforce-eager``. The lookup's argument is read from that call's frame, found by
+    its code object, so no other frame is taken for it.
+    """
+    factory = sys.modules.get(_FACTORY)
+    if factory is None:
+        return None  # the factory never ran in this process: vLLM is not looking it up
+    code = factory.KVConnectorFactory.get_connector_class.__func__.__code__
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            if frame.f_code is code:
+                return frame.f_locals.get("kv_transfer_config")
+            frame = frame.f_back
+        return None
+    finally:
+        del frame  # a frame kept here would keep every caller's locals alive
 
 
 def check_workers_on_one_node() -> None:

@@ -56,6 +56,23 @@ def eagle_drop(vllm_config: Any) -> bool:
     return not vllm_config.num_hash_lookahead_tokens > 0
 
 
+class ConnectorClassHooks:
+    """The connector class's part of 0.34's config checks: ``kv_cache_access`` is called
+    with the KV transfer config in the front-end process while ``VllmConfig`` is built
+    (``_resolve_extensible_kv_cache``, on every platform), before an engine process
+    starts or a model loads. The configuration is checked there first."""
+
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
+        cls.check_transfer_config(kv_transfer_config)  # type: ignore[attr-defined]
+        return super().kv_cache_access(kv_transfer_config)  # type: ignore[misc]
+
+
+def config_of_class_lookup() -> Any:
+    """None: 0.34 hands the connector class its config itself (:class:`ConnectorClassHooks`)."""
+    return None
+
+
 def check_workers_on_one_node() -> None:
     """0.34's tiering spec refuses secondary tiers on workers spanning nodes (the tiers run
     in the engine core and read its node's region only): the same collective check."""
