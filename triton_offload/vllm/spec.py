@@ -127,7 +127,6 @@ from triton_offload.vllm.tiers import (
     OWN_ROWS,
     PLANES_UNPUBLISHED,
     STOCK_ROWS,
-    check_secondary_tiers,
     layout_note_path,
     notes_are_stock,
     plane_notes,
@@ -810,11 +809,8 @@ class TritonTieringOffloadingSpec(TritonWorkerSide, TieringOffloadingSpec):  # t
     shares_stock_rows = False
 
     def __init__(self, config: Any) -> None:
-        check_secondary_tiers(
-            config.extra_config.get("secondary_tiers", []),
-            type(self).__name__,
-            canonical=bool(config.canonical_layout),
-        )
+        # The secondary tiers are checked with the rest of the extra config, first thing
+        # in TritonWorkerSide.__init__ (options.START_UP_CHECKS).
         # vLLM's fs tier would name its temporary files from the seeded random module:
         # engines of one seed would collide on them (triton_offload.vllm.fs_writes).
         use_unique_temporary_names()
