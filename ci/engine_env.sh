@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The environment tests/system/test_vllm_engine_real.py runs vLLM's real engine in, on a CPU.
+# The environment tests/system/test_vllm_engine_real.py runs vLLM's real engine in, on a CPU,
+# and test_vllm_serve_real.py runs `vllm serve` in.
 #
 #   bash ci/engine_env.sh VENV [VLLM_VERSION]      (default 0.33.0)
 #   VLLM_TARGET_DEVICE=cpu VENV/bin/python -m pytest tests/system/test_vllm_engine_real.py
@@ -115,4 +116,9 @@ fi
 # vLLM's Qwen3-Next / GDN layers.
 "$venv/bin/python" -m pip install -q --no-deps -e "$repo"
 "$venv/bin/python" -m pip install -q 'xxhash>=3.0' einops 'pytest>=8' 'hypothesis>=6.100' 'pytest-benchmark>=4'
+# `vllm serve` (tests/system/test_vllm_serve_real.py): vLLM's OpenAI server imports orjson,
+# which the laid-over release requires (>=3.11.6 in 0.33 and 0.34) and the CPU build's
+# dependencies lack (the server dies with "No module named 'orjson'"); the tests query it
+# with the openai client (a dependency of both, pinned the same way).
+"$venv/bin/python" -m pip install -q 'orjson>=3.11.6' 'openai>=2.25'
 "$venv/bin/python" -c 'import importlib.metadata as m; print("engine_env: vllm", m.version("vllm"), "torch", m.version("torch"))'
