@@ -553,6 +553,75 @@ def test_small_and_large_job_paths_build_and_reject_alike(
     assert outcomes[0] == outcomes[1]
 
 
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), blocks_per_chunk=st.integers(1, 3))
+def test_keyword_lists_build_and_reject_as_their_spec(
+    data: st.DataObject, blocks_per_chunk: int
+) -> None:
+    """A small job given as lists of Python ints (a submit's keyword lists, no first
+    index) gets the table and the error its ``JobSpec`` gets, on the Python and the numpy
+    path (ids drawn with repeats so that clashes and range errors occur)."""
+    from triton_offload.transfer import jobs
+
+    caches, _ = hybrid_caches()
+    engine = make_engine(caches, blocks_per_chunk, "torch")
+    ids = st.lists(st.integers(0, NUM_BLOCKS), max_size=5)
+    rows = st.lists(st.integers(0, NUM_HOST_BLOCKS), max_size=3)
+    groups = data.draw(st.integers(2, 4))  # the engine has 3: other counts are refused
+    gpu = [data.draw(ids) for _ in range(groups)]
+    host = [data.draw(rows) for _ in range(groups)]
+    direction = data.draw(st.sampled_from([jobs.TO_POOL, jobs.FROM_POOL]))
+    plain = jobs.plain_job(gpu, host)
+    assert plain is not None
+    outcomes = []
+    for build in ("plain", "python", "numpy"):
+        original = jobs.SMALL_JOB_PAIRS
+        if build == "numpy":
+            jobs.SMALL_JOB_PAIRS = 0
+        try:
+            if build == "plain":
+                table = jobs.plain_pair_table(engine.layout, NUM_HOST_BLOCKS, plain, direction)
+            else:
+                spec = jobs.JobSpec(gpu, host)
+                table = jobs.pair_table(engine.layout, NUM_HOST_BLOCKS, spec, direction)
+            outcomes.append(("ok", table.pairs.tolist(), table.offsets.tolist()))
+        except ValueError as error:
+            outcomes.append(("error", str(error), None))
+        finally:
+            jobs.SMALL_JOB_PAIRS = original
+    assert outcomes[0] == outcomes[1]  # the same checks in the same order: the same words
+    if outcomes[2][0] == "error":
+        assert (
+            outcomes[0][0] == "error"
+            and outcomes[0][1].split(" ")[:2] == outcomes[2][1].split(" ")[:2]
+        )
+    else:
+        assert outcomes[0] == outcomes[2]
+
+
+def test_plain_job_takes_only_what_jobspec_takes_unchanged() -> None:
+    """Lists that are not lists of non-negative int64 Python ints, or too many pairs for
+    the Python table, are left to JobSpec (and its messages)."""
+    from triton_offload.transfer import jobs
+
+    assert jobs.plain_job([[1]], [[2]]) == ([[1]], [[2]])
+    for gpu, host in [
+        ([[1, True]], [[0]]),
+        ([[1]], [[-1]]),
+        ([[1]], [[2**63]]),
+        ([[1.0]], [[0]]),
+        ([(1,)], [[0]]),
+        ([[1]], [[0], [1]]),
+        (([1],), [[0]]),
+        ([list(range(jobs.SMALL_JOB_PAIRS + 1))], [[0]]),
+    ]:
+        assert jobs.plain_job(gpu, host) is None, (gpu, host)
+    caller = [[3, 4]]
+    plain = jobs.plain_job(caller, [[0]])
+    caller[0].append(5)  # the job keeps its own lists
+    assert plain is not None and plain.gpu_blocks == [[3, 4]]
+
+
 class _TimedEvent(_FakeEvent):
     """A stand-in event that remembers the host time of its record."""
 

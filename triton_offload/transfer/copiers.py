@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 import math
 import os
 import threading
@@ -126,6 +127,20 @@ class HostCopier(Copier):
         if planes is not None and len(planes) == len(layout.planes):
             planes = None
         parts = writer_parts(layout, table, direction, planes)
+        if len(parts) == 1:  # a load, or a store whose planes all write every slot
+            part, subset = parts[0]
+            # Looked up per job, not per engine: the module's function is the copy.
+            return functools.partial(
+                cpu_copy.copy_pages,
+                layout,
+                address,
+                stride,
+                part.pairs,
+                part.offsets,
+                direction,
+                planes=subset,
+                runs=self._runs,
+            )
 
         def run() -> None:
             for part, subset in parts:

@@ -96,7 +96,10 @@ from triton_offload.transfer.jobs import (
     TO_POOL,
     JobSpec,
     PairTable,
+    PlainJob,
     pair_table,
+    plain_job,
+    plain_pair_table,
 )
 from triton_offload.transfer.layered import LayeredLoad, check_stages, stage_assignment
 from triton_offload.transfer.layout import (
@@ -158,6 +161,20 @@ def _refuse_positional_lists(method: str, extra: tuple[Any, ...]) -> None:
             f"{method} takes the job as a JobSpec or as keywords gpu_blocks=, host_blocks= "
             f"(and first_block_index=), not as {given} positional block list(s)"
         )
+
+
+def _job_of(
+    spec: JobSpec | None, gpu_blocks: Any, host_blocks: Any, first_block_index: Any
+) -> JobSpec | PlainJob:
+    """A submit's job: keyword lists of a small job as a :class:`PlainJob` (lists of
+    non-negative Python ints, no first index), anything else through ``JobSpec.of``."""
+    if spec is None and first_block_index is None:
+        plain = plain_job(gpu_blocks, host_blocks)
+        if plain is not None:
+            return plain
+    return JobSpec.of(
+        spec, gpu_blocks=gpu_blocks, host_blocks=host_blocks, first_block_index=first_block_index
+    )
 
 
 def _checked_device(cache_device: torch.device, device: torch.device | str | None) -> torch.device:
@@ -505,13 +522,8 @@ class TransferEngine:
         """
         if positional_lists:
             _refuse_positional_lists("submit_store", positional_lists)
-        spec = JobSpec.of(
-            spec,
-            gpu_blocks=gpu_blocks,
-            host_blocks=host_blocks,
-            first_block_index=first_block_index,
-        )
-        return self._submit(job_id, spec, TO_POOL, checksum=checksum)
+        job = _job_of(spec, gpu_blocks, host_blocks, first_block_index)
+        return self._submit(job_id, job, TO_POOL, checksum=checksum)
 
     def submit_load(
         self,
@@ -540,15 +552,10 @@ class TransferEngine:
             _refuse_positional_lists("submit_load", positional_lists)
         if not isinstance(expedited, bool):
             raise TypeError(f"expedited must be a bool, got {expedited!r}")
-        spec = JobSpec.of(
-            spec,
-            gpu_blocks=gpu_blocks,
-            host_blocks=host_blocks,
-            first_block_index=first_block_index,
-        )
+        job = _job_of(spec, gpu_blocks, host_blocks, first_block_index)
         return self._submit(
             job_id,
-            spec,
+            job,
             FROM_POOL,
             lane=EXPEDITED_LOAD if expedited else None,
             checksum=checksum,
@@ -802,7 +809,7 @@ class TransferEngine:
     def _submit(
         self,
         job_id: Hashable,
-        spec: JobSpec,
+        spec: JobSpec | PlainJob,
         direction: int,
         assignment: Assignment | None = None,
         *,
@@ -822,8 +829,12 @@ class TransferEngine:
             raise ValueError(f"job id {job_id!r} is not hashable") from None
         # A reallocated cache would be read or written through stale addresses.
         self.layout.check_sources()
-        table = pair_table(self.layout, self.num_host_blocks, spec, direction)
-        counts = [blocks.size for blocks in spec.gpu_blocks]
+        if type(spec) is PlainJob:
+            table = plain_pair_table(self.layout, self.num_host_blocks, spec, direction)
+            counts = [len(blocks) for blocks in spec.gpu_blocks]
+        else:
+            table = pair_table(self.layout, self.num_host_blocks, spec, direction)
+            counts = [blocks.size for blocks in spec.gpu_blocks]
         # One count per group of the engine: pair_table checked the number of groups.
         size = sum(map(operator.mul, counts, self._bytes_per_block))
         if assignment is None:

@@ -270,11 +270,62 @@ class JobSpec:
             gpu_ids, host_ids = _plain_ids(gpu_blocks), _plain_ids(host_blocks)
             if gpu_ids is not None and host_ids is not None:
                 made = object.__new__(cls)
-                object.__setattr__(made, "gpu_blocks", gpu_ids)
-                object.__setattr__(made, "host_blocks", host_ids)
-                object.__setattr__(made, "first_block_index", (0,) * len(gpu_ids))
+                # A frozen dataclass's fields live in the instance dict.
+                made.__dict__.update(
+                    gpu_blocks=gpu_ids, host_blocks=host_ids, first_block_index=(0,) * len(gpu_ids)
+                )
                 return made
         return cls(gpu_blocks, host_blocks, first_block_index)
+
+
+class PlainJob(NamedTuple):
+    """A small job given as keyword lists of lists of non-negative Python ints (what
+    ``JobSpec(gpu_blocks, host_blocks)`` accepts with every first index 0), kept as
+    copies of the lists: :func:`plain_pair_table` builds its table without the spec's
+    arrays (made, checked and converted back to lists, they were a third of a 2-page
+    job's fixed cost: ``bench/suites/bench_small_jobs.py``)."""
+
+    gpu_blocks: list[list[int]]
+    host_blocks: list[list[int]]
+
+
+def plain_job(gpu_blocks: Any, host_blocks: Any) -> PlainJob | None:
+    """The job as a :class:`PlainJob`, or None unless both are lists (one entry per
+    group) of lists of non-negative Python ints within int64, with at most
+    ``SMALL_JOB_PAIRS`` GPU blocks in all: anything else takes ``JobSpec`` and its
+    messages."""
+    if type(gpu_blocks) is not list or type(host_blocks) is not list:
+        return None
+    if len(gpu_blocks) != len(host_blocks):
+        return None
+    gpu, host, pairs = [], [], 0
+    for side, copies in ((gpu_blocks, gpu), (host_blocks, host)):
+        for values in side:
+            if type(values) is not list or not _INT_ONLY.issuperset(map(type, values)):
+                return None
+            if values and (min(values) < 0 or max(values) > _INT64_MAX):
+                return None
+            copies.append(values.copy())
+    for values in gpu:
+        pairs += len(values)
+    return PlainJob(gpu, host) if pairs <= SMALL_JOB_PAIRS else None
+
+
+def plain_pair_table(
+    layout: CacheLayout, pool_rows: int, job: PlainJob, direction: Direction
+) -> PairTable:
+    """:func:`pair_table` of ``JobSpec(*job)``: the same table, checks and messages."""
+    if len(job.gpu_blocks) != layout.num_groups:
+        raise ValueError(
+            f"the job has {len(job.gpu_blocks)} groups but the engine has {layout.num_groups}"
+        )
+    if type(direction) is not Direction:
+        try:
+            direction = Direction(direction)
+        except ValueError:
+            raise ValueError(f"direction {direction!r} is not a Direction") from None
+    firsts = (0,) * len(job.gpu_blocks)
+    return _table_of_lists(layout, pool_rows, job.gpu_blocks, job.host_blocks, firsts, direction)
 
 
 class PairTable(NamedTuple):
@@ -365,7 +416,27 @@ def _too_few_hosts(group: int, count: int, slot: int, bpc: int, hosts: int) -> s
 def _small_pair_table(
     layout: CacheLayout, pool_rows: int, spec: JobSpec, direction: Direction
 ) -> PairTable:
-    """:func:`pair_table` with Python ints: the same table, checks and messages.
+    """:func:`pair_table` with Python ints: the same table, checks and messages."""
+    return _table_of_lists(
+        layout,
+        pool_rows,
+        [blocks.tolist() for blocks in spec.gpu_blocks],
+        [hosts.tolist() for hosts in spec.host_blocks],
+        spec.first_block_index or (),
+        direction,
+    )
+
+
+def _table_of_lists(
+    layout: CacheLayout,
+    pool_rows: int,
+    gpu_blocks: Sequence[list[int]],
+    host_blocks: Sequence[list[int]],
+    firsts: Sequence[int],
+    direction: Direction,
+) -> PairTable:
+    """A small job's table from per-group lists of non-negative ids (one entry per group
+    of the layout), checked as :func:`pair_table` checks it.
 
     Each pair's destination gets one int key (store: group, pool row and slot; load:
     group and GPU block), so a job without a clash costs one set; the pairs are walked
@@ -376,8 +447,8 @@ def _small_pair_table(
     flat: list[int] = []  # the table, row-major
     keys: list[int] = []
     offsets = [0]
-    for group, first in enumerate(spec.first_block_index or ()):
-        blocks, hosts = spec.gpu_blocks[group].tolist(), spec.host_blocks[group].tolist()
+    for group, first in enumerate(firsts):
+        blocks, hosts = gpu_blocks[group], host_blocks[group]
         limit = layout.group_num_blocks[group]
         if blocks and max(blocks) >= limit:
             raise ValueError(
@@ -398,7 +469,8 @@ def _small_pair_table(
         offsets.append(len(keys))
     if len(set(keys)) != len(keys) or (store and layout.pool_shared_groups):
         _small_clashes(layout, flat, offsets, store)
-    pairs = np.array(flat, dtype=np.int64).reshape(-1, 3)
+    pairs = np.array(flat, dtype=np.int64)
+    pairs.shape = (len(keys), 3)  # in place: no view to make
     offset_array = np.array(offsets, dtype=np.int64)
     if not store and layout.alias_rules:
         # Groups aliasing cache memory meet by byte range, not by equal block ids.
@@ -691,8 +763,11 @@ __all__ = [
     "Direction",
     "JobSpec",
     "PairTable",
+    "PlainJob",
     "int64_ids",
     "pair_table",
+    "plain_job",
+    "plain_pair_table",
     "validate_pairs",
     "writer_parts",
 ]
