@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The environment tests/system/test_vllm_engine_real.py runs vLLM's real engine in, on a CPU,
-# and test_vllm_serve_real.py runs `vllm serve` in.
+# The environment tests/system/test_vllm_engine_real.py and test_vllm_fleet_real.py run
+# vLLM's real engine in, on a CPU, and test_vllm_serve_real.py runs `vllm serve` in.
 #
 #   bash ci/engine_env.sh VENV [VLLM_VERSION]      (default 0.33.0)
 #   VLLM_TARGET_DEVICE=cpu VENV/bin/python -m pytest tests/system/test_vllm_engine_real.py
@@ -121,4 +121,8 @@ fi
 # dependencies lack (the server dies with "No module named 'orjson'"); the tests query it
 # with the openai client (a dependency of both, pinned the same way).
 "$venv/bin/python" -m pip install -q 'orjson>=3.11.6' 'openai>=2.25'
+# vLLM's p2p and obj tiers for tests/system/test_vllm_fleet_real.py (the tiers extra less
+# kvcr): NIXL (its meta package brings the CUDA-12 and CUDA-13 builds; the tests load the
+# CUDA-12 one, whose OBJ plugin needs no CUDA library) and a local S3 server (moto).
+"$venv/bin/python" -m pip install -q 'nixl>=1.5,<1.6' 'moto[s3]>=5.1' 'flask>=3' 'flask-cors>=5'
 "$venv/bin/python" -c 'import importlib.metadata as m; print("engine_env: vllm", m.version("vllm"), "torch", m.version("torch"))'
