@@ -347,14 +347,16 @@ def test_an_engine_killed_mid_store_leaves_no_partial_chunk(fleet_run: dict[str,
     """K, killed while its fs writer had half of P3's second chunk file written: the half
     is in vLLM's temporary file only, never under the chunk's name; B-fs is served P3's
     first chunk and recomputes the rest (K's tokens), refusing nothing (it never read the
-    half), and stores the rest; K restarted on the same tier and engine id is served all
-    of P3 and stores P4."""
+    half), and stores the rest; the kill left K's host region nowhere in /dev/shm; K
+    restarted on the same tier and engine id is served all of P3 and stores P4."""
     block = fleet_run["block"]
     stalled, after = fleet_run["stalled"], fleet_run["after_kill"]
     p3_files = fleet_run["p3_files"]
     assert p3_files[0] in stalled["whole"] and p3_files[1] not in stalled["whole"]
     assert after["partial"] and after["partial_bytes"] == stalled["chunk_bytes"] // 2
     assert not after["chunk_file"], "the half-written chunk was published under its name"
+    # Its host region was unlinked once mapped: the kill left no 64 MiB file behind.
+    assert not [path for path in after["shm"] if "vllm_offload_" in path], after["shm"]
     served = fleet_run["b_fs_p3"]
     assert delta(served, fleet_run["b_fs_p2"], HITS) == block
     assert _all_refused(served) == _all_refused(fleet_run["b_fs_p2"])
