@@ -15,6 +15,7 @@ import contextlib
 import glob
 import json
 import os
+import re
 import select
 import signal
 import subprocess
@@ -239,6 +240,19 @@ class FleetEngine:
         """This engine's files in /dev/shm (every name carries the engine id)."""
         return sorted(glob.glob(f"/dev/shm/*{self.engine_id}*"))
 
+    def remove_cpu_communicator_files(self) -> list[str]:
+        """Remove what vLLM's CPU tensor-parallel communicator of this (stopped) engine left
+        in /dev/shm (``vllm_dist_<id>-tp:...-cpushm_<rank>``, named in its log; vLLM 0.33
+        does not always remove them at shutdown); the paths removed."""
+        assert not self.alive(), "the engine still runs"
+        removed = []
+        for name in sorted(set(re.findall(r"vllm_dist_[0-9a-f]{32}", self.log()))):
+            for path in glob.glob(f"/dev/shm/{glob.escape(name)}-*"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                    removed.append(path)
+        return removed
+
     def kill(self) -> None:
         """SIGKILL: the engine disappears with no clean-up of its own."""
         if self.alive():
@@ -272,6 +286,9 @@ class Fleet:
     def __init__(self, root: str) -> None:
         self.root = root
         self.engines: list[FleetEngine] = []
+        #: vLLM's CPU tensor-parallel files its engines left (see
+        #: :meth:`FleetEngine.remove_cpu_communicator_files`), removed.
+        self.vllm_leftovers: list[str] = []
 
     def start(
         self, name: str, model: str, kv: dict[str, Any], tp: int = 0, cwd: str | None = None
@@ -292,6 +309,7 @@ class Fleet:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
                     removed.append(path)
+            self.vllm_leftovers += engine.remove_cpu_communicator_files()
         return removed
 
 
