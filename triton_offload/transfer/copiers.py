@@ -121,11 +121,35 @@ class HostCopier(Copier):
         self._runs = cpu_copy.RunBuilder(layout)
 
     def prepare(
-        self, table: PairTable, direction: int, planes: PlaneSubset, holds: JobHolds, stream: Any
-    ) -> Callable[[], None]:
+        self,
+        table: PairTable,
+        direction: int,
+        planes: PlaneSubset,
+        holds: JobHolds,
+        stream: Any,
+        *,
+        hashed: memoryview | None = None,
+    ) -> Callable[[], Any]:
+        """The job's copy. With ``hashed`` (the pool's bytes, ``cpu_copy.pool_bytes``)
+        the copy hashes each row it names right after copying it and returns a
+        ``cpu_copy.HashedCopy`` (a checksummed job: its pages are written whole, one
+        part, every plane)."""
         layout, address, stride = self.layout, self.pool_address, self.row_stride
         if planes is not None and len(planes) == len(layout.planes):
             planes = None
+        if hashed is not None:
+            assert planes is None, planes
+            return functools.partial(
+                cpu_copy.copy_and_hash_pages,
+                layout,
+                address,
+                stride,
+                table.pairs,
+                table.offsets,
+                direction,
+                hashed,
+                runs=self._runs,
+            )
         parts = writer_parts(layout, table, direction, planes)
         if len(parts) == 1:  # a load, or a store whose planes all write every slot
             part, subset = parts[0]

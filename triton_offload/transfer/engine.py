@@ -462,9 +462,8 @@ class TransferEngine:
         # The launches that sum pages (fused into the copy, or read-only passes).
         self._summer: TritonCopier | None = None
         # The CPU path's: the pool's bytes as the host hashes them (made at the first
-        # checksummed job) and the runs of checksummed jobs, cut at pool rows.
+        # checksummed job).
         self._host_pool_bytes: memoryview | None = None
-        self._hash_runs = cpu_copy.RunBuilder(self.layout)
         if not self.page_checksums or self.checksum_algorithm != DEVICE_ALGORITHM:
             return
         summer = triton if isinstance(triton, TritonCopier) else self._make_copier("triton")
@@ -1027,17 +1026,12 @@ class TransferEngine:
             self._host_pool_bytes = cpu_copy.pool_bytes(
                 self.pool_address, self.row_stride, self.pool.shape[0], self.pool.shape[1]
             )
-        start = time.perf_counter()
-        hashed = cpu_copy.copy_and_hash_pages(
-            self.layout,
-            self.pool_address,
-            self.row_stride,
-            table.pairs,
-            table.offsets,
-            job.direction,
-            self._host_pool_bytes,
-            runs=self._hash_runs,
+        # Through the copier, as every CPU copy: one place runs (and may fail) them.
+        copy = self.copiers["torch"].prepare(
+            table, job.direction, None, job.holds, None, hashed=self._host_pool_bytes
         )
+        start = time.perf_counter()
+        hashed = copy()
         job.transfer_time = time.perf_counter() - start
         job.checksum_rows, job.checksum_values = hashed.rows, hashed.values
         job.checksum_seconds = hashed.hash_seconds
