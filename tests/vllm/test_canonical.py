@@ -15,6 +15,7 @@ the judge's, pool unchanged. All comparisons are ``torch.equal``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import types
 from typing import Any
@@ -327,3 +328,24 @@ def test_a_ref_without_mapping_fails_closed_naming_the_layer() -> None:
     )
     with pytest.raises(ValueError, match=r"layer 'g0\.layer1'.*no canonical mapping"):
         spec.get_worker(kv_caches)
+
+
+def test_canonical_layout_warns_that_checkpoints_are_not_kept_apart(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Stock names and unsealed rows: a start-up warning says another checkpoint under the
+    same model name would be handed these chunks, and what keeps them apart."""
+    import uuid
+
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    config = _tiering_config("TritonTieringOffloadingSpec", 0, f"canonical-{uuid.uuid4()}")
+    config = dataclasses.replace(
+        config, extra_config={**config.extra_config, "checkpoint_id": "weights-v1"}
+    )
+    with caplog.at_level("WARNING", logger="vllm.triton_offload"):
+        spec = OffloadingSpecFactory.create_spec(config)
+    assert spec.stock_rows
+    lines = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    named = [line for line in lines if "checkpoint id:weights-v1 is not part of" in line]
+    assert named and "own model path or its own tier roots" in named[0], lines

@@ -289,8 +289,21 @@ class TritonWorkerSide:
             )
             return
         if self.stock_rows:
-            where = "unused: canonical_layout rows are stock vLLM's, under vLLM's names"
-        elif self.sealed_pages:
+            # Stock vLLM's names carry no checkpoint (that is what lets stock instances
+            # share the rows), and stock rows carry no seal: nothing here can tell two
+            # checkpoints served under one model name apart.
+            logger.warning(
+                "%s (triton_offload): checkpoint %s is not part of canonical_layout's "
+                "chunk names (stock vLLM's, with no seal): another checkpoint served under "
+                "model name %r and sharing these tiers is handed this checkpoint's chunks "
+                "(wrong KV, wrong tokens); give each checkpoint its own model path or its "
+                "own tier roots",
+                name,
+                checkpoint.value,
+                self.config.model.name,
+            )
+            return
+        if self.sealed_pages:
             where = "in every chunk seal's configuration digest" + (
                 " and the tiers' storage names" if self._tiering_region else ""
             )
