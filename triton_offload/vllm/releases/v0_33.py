@@ -67,9 +67,11 @@ def eagle_drop(vllm_config: Any) -> bool:
 
 
 class ConnectorClassHooks:
-    """None on 0.33: of the classmethods 0.33 calls on a connector class while it builds
-    its config, only ``requires_piecewise_for_cudagraph`` gets (part of) the config, and
-    only under full CUDA graphs; see :func:`config_of_class_lookup`."""
+    """None on 0.33: while it builds its config, 0.33 hands a connector class its config
+    only under sleep mode (``supports_sleep_mode``) or full CUDA graphs
+    (``requires_piecewise_for_cudagraph``, the extra config alone), and on a CPU or under
+    ``--enforce-eager`` not at all before the model loads; see
+    :func:`config_of_class_lookup`."""
 
 
 #: vLLM's connector factory module: the caller whose frame holds the config.
