@@ -43,6 +43,7 @@ from tests.helpers.vllm_serve import (
 )
 
 REQUIRE = os.environ.get("TRITON_OFFLOAD_REQUIRE_ENGINE") == "1"
+HERE = os.path.dirname(os.path.abspath(__file__))
 MiB = 1 << 20
 MODEL_NAME = "tiny-llama"
 #: One prompt of 1,000 tokens (one byte each): several chunks, and a tail that is not one.
@@ -171,6 +172,7 @@ class Runs:
             record["reset"] = reset_prefix_cache(server)
             record["hit"] = complete(server)
             record["metrics"] = metrics(server)
+            record["metrics_text"] = server.get("/metrics")[1]
             record["children"] = server.child_pids()
             record["engine_id"] = server.engine_id()
             stopped = time.monotonic()
@@ -408,3 +410,25 @@ def test_a_mistake_is_refused_before_the_model_loads_in_the_last_lines(
     refusal = refusal.replace("{root}", root)
     tail = _tail(log, 5)
     assert any(refusal in line for line in tail), "\n".join(tail)
+
+
+def test_every_metric_the_dashboard_queries_is_on_the_servers_metrics(runs: Runs) -> None:
+    """dashboards/triton_offload.json's PromQL names only what the real server exposes:
+    each counter's ``_total``, each histogram's ``_bucket``/``_sum``/``_count`` (families
+    without a labelled child yet are exposed by their type line and count too)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    record = runs.served("SIGINT")
+    exposed: set[str] = set()
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}
+    for family in text_string_to_metric_families(record["metrics_text"]):
+        exposed |= {sample.name for sample in family.samples}
+        exposed |= {family.name + suffix for suffix in suffixes.get(family.type, ("",))}
+    dashboard = os.path.join(os.path.dirname(os.path.dirname(HERE)), "dashboards")
+    with open(os.path.join(dashboard, "triton_offload.json")) as file:
+        board = json.load(file)
+    exprs = [t["expr"] for panel in board["panels"] for t in panel["targets"]]
+    exprs += [v["query"] for v in board["templating"]["list"] if v["type"] == "query"]
+    queried = {name for expr in exprs for name in re.findall(r"\bvllm:[a-z_:]+", expr)}
+    assert queried, "the dashboard queries no vllm: metric"
+    assert sorted(queried - exposed) == []
