@@ -73,6 +73,18 @@ def triton_counters(llm: Any) -> dict[str, float]:
     return found
 
 
+def completion_of(output: Any) -> dict[str, Any]:
+    """A request's output as the tests compare it: tokens, each token's logprob, why it
+    finished."""
+    completion = output.outputs[0]
+    tokens = list(completion.token_ids)
+    logprobs = [
+        float(step[token].logprob) if step and token in step else None
+        for token, step in zip(tokens, completion.logprobs or [], strict=False)
+    ]
+    return {"tokens": tokens, "logprobs": logprobs, "finish_reason": completion.finish_reason}
+
+
 def generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> list[dict[str, Any]]:
     from vllm import SamplingParams
 
@@ -80,21 +92,7 @@ def generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> list[dict[s
         temperature=0.0, max_tokens=max_tokens, logprobs=1, detokenize=False, ignore_eos=True
     )
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
-    results = []
-    for output in outputs:
-        completion = output.outputs[0]
-        tokens = list(completion.token_ids)
-        logprobs = [
-            float(step[token].logprob) if step and token in step else None
-            for token, step in zip(tokens, completion.logprobs or [], strict=False)
-        ]
-        results.append(
-            {
-                "tokens": tokens,
-                "logprobs": logprobs,
-                "finish_reason": completion.finish_reason,
-            }
-        )
+    results = [completion_of(output) for output in outputs]
     return results
 
 

@@ -24,7 +24,7 @@ import time
 import uuid
 from typing import Any
 
-from tests.helpers.engine_models import MODELS
+from tests.helpers.real_engine import engine_args
 
 RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fleet_runner.py")
 MiB = 1 << 20
@@ -37,20 +37,6 @@ SHUTDOWN_TIMEOUT_S = 60.0
 #: NIXL's UCX backend between two processes of one machine: shared memory and TCP over
 #: the loopback device only.
 UCX_LOOPBACK_ENV = {"UCX_TLS": "sm,self,tcp", "UCX_NET_DEVICES": "lo"}
-
-
-def engine_problem() -> str | None:
-    """Why vLLM's real engine cannot run here, or None."""
-    try:
-        import importlib.metadata
-
-        version = importlib.metadata.version("vllm")
-        import vllm._C  # noqa: F401  (the compiled kernels; a CUDA build fails here)
-    except Exception as error:
-        return f"vLLM's compiled CPU kernels are not importable ({type(error).__name__}: {error})"
-    if "cpu" not in version:
-        return f"vllm {version} is not a CPU build (ci/engine_env.sh builds one)"
-    return None
 
 
 def engine_env(tp: int) -> dict[str, str]:
@@ -107,28 +93,6 @@ def fs_tier(root: str) -> dict[str, Any]:
 
 def p2p_tier(port: int) -> dict[str, Any]:
     return {"type": "p2p", "host": "127.0.0.1", "port": port, "num_threads": 1}
-
-
-def engine_args(model: str, kv: dict[str, Any], tp: int) -> dict[str, Any]:
-    """``vllm.LLM`` arguments: tiny ``model`` (a folder, absolute or relative to the
-    engine's working folder), token ids in and out, a 64 MiB device cache."""
-    name = os.path.basename(model.rstrip("/"))
-    args: dict[str, Any] = {
-        "model": model,
-        "dtype": MODELS[name].dtype,
-        "skip_tokenizer_init": True,
-        "enforce_eager": True,
-        "kv_cache_memory_bytes": 64 * MiB,
-        "max_model_len": 2048,
-        "disable_log_stats": False,
-        "seed": 0,
-        "kv_transfer_config": kv,
-    }
-    if tp:
-        args["tensor_parallel_size"] = tp
-    else:
-        args["distributed_executor_backend"] = "uni"
-    return args
 
 
 class EngineError(RuntimeError):
@@ -327,9 +291,7 @@ __all__ = [
     "Fleet",
     "FleetEngine",
     "delta",
-    "engine_args",
     "engine_env",
-    "engine_problem",
     "fs_tier",
     "p2p_tier",
     "tiering",

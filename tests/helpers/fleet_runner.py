@@ -174,22 +174,12 @@ class Runner:
         outputs = self.llm.generate(
             [{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False
         )
-        results = []
-        for output in outputs:
-            completion = output.outputs[0]
-            tokens = list(completion.token_ids)
-            logprobs = [
-                float(step[token].logprob) if step and token in step else None
-                for token, step in zip(tokens, completion.logprobs or [], strict=False)
-            ]
-            results.append(
-                {
-                    "tokens": tokens,
-                    "logprobs": logprobs,
-                    "finish_reason": completion.finish_reason,
-                    "cached_tokens": output.num_cached_tokens,
-                }
-            )
+        from engine_runner import completion_of
+
+        results = [
+            {**completion_of(output), "cached_tokens": output.num_cached_tokens}
+            for output in outputs
+        ]
         return {"outputs": results, "metrics": metrics(self.llm)}
 
     def reset(self) -> bool:

@@ -24,11 +24,11 @@ from typing import Any
 
 import pytest
 
-from tests.helpers.engine_models import MODELS, prompt_ids, write_model
+from tests.helpers.engine_models import prompt_ids, write_model
+from tests.helpers.real_engine import engine_args, engine_problem, skip_or_fail
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RUNNER = os.path.join(os.path.dirname(HERE), "helpers", "engine_runner.py")
-REQUIRE = os.environ.get("TRITON_OFFLOAD_REQUIRE_ENGINE") == "1"
 #: One engine, start to shutdown; a hung engine fails its tests instead of the run.
 ENGINE_TIMEOUT_S = 600
 MiB = 1 << 20
@@ -39,28 +39,9 @@ SHORT = prompt_ids(200, seed=2)
 KEEPING = "mapped: buffers are still exported"
 
 
-def _engine_problem() -> str | None:
-    """Why vLLM's real engine cannot run here, or None."""
-    try:
-        import importlib.metadata
-
-        version = importlib.metadata.version("vllm")
-        import vllm._C  # noqa: F401  (the compiled kernels; a CUDA build fails here)
-    except Exception as error:
-        return f"vLLM's compiled CPU kernels are not importable ({type(error).__name__}: {error})"
-    if "cpu" not in version:
-        return f"vllm {version} is not a CPU build (ci/engine_env.sh builds one)"
-    return None
-
-
 @pytest.fixture(scope="module")
 def engine_ready() -> None:
-    problem = _engine_problem()
-    if problem is None:
-        return
-    if REQUIRE:
-        pytest.fail(f"TRITON_OFFLOAD_REQUIRE_ENGINE=1: {problem}")
-    pytest.skip(f"{problem}; build the engine with `bash ci/engine_env.sh VENV`")
+    skip_or_fail(engine_problem())
 
 
 def _extra(**more: Any) -> dict[str, Any]:
@@ -206,21 +187,7 @@ class Engines:
         tp: int,
     ) -> dict[str, Any]:
         folder = write_model(model, self.models)
-        engine: dict[str, Any] = {
-            "model": folder,
-            "dtype": MODELS[model].dtype,
-            "skip_tokenizer_init": True,
-            "enforce_eager": True,
-            "kv_cache_memory_bytes": 64 * MiB,
-            "max_model_len": 2048,
-            "disable_log_stats": False,
-            "seed": 0,
-            "kv_transfer_config": kv_config,
-        }
-        if tp:
-            engine["tensor_parallel_size"] = tp
-        else:
-            engine["distributed_executor_backend"] = "uni"
+        engine = engine_args(folder, kv_config, tp)
         out = os.path.join(self.root, f"{name}.json")
         spec_path = os.path.join(self.root, f"{name}.spec.json")
         with open(spec_path, "w") as f:

@@ -40,14 +40,13 @@ from tests.helpers.fleet_engines import (
     Fleet,
     FleetEngine,
     delta,
-    engine_problem,
     fs_tier,
     p2p_tier,
     tiering,
 )
+from tests.helpers.real_engine import engine_problem, skip_or_fail
 from tests.helpers.tier_peers import NEEDS, S3Server, free_port, missing_modules
 
-REQUIRE = os.environ.get("TRITON_OFFLOAD_REQUIRE_ENGINE") == "1"
 #: Whole chunks of every prompt (one block of the engine's block size each: the tiering
 #: spec's default), and the tokens after them (computed, never stored).
 CHUNKS = 3
@@ -86,11 +85,7 @@ def engine_ready() -> None:
                 f"the p2p and obj tiers need {', '.join(missing)} in the engine environment "
                 "(bash ci/engine_env.sh VENV installs them)"
             )
-    if problem is None:
-        return
-    if REQUIRE:
-        pytest.fail(f"TRITON_OFFLOAD_REQUIRE_ENGINE=1: {problem}")
-    pytest.skip(problem)
+    skip_or_fail(problem)
 
 
 def _prompt(block: int, seed: int) -> list[int]:

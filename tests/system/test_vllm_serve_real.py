@@ -33,6 +33,7 @@ from typing import Any
 import pytest
 
 from tests.helpers.engine_models import write_model
+from tests.helpers.real_engine import engine_problem, skip_or_fail
 from tests.helpers.vllm_serve import (
     EXIT_GUARD_S,
     Server,
@@ -42,7 +43,6 @@ from tests.helpers.vllm_serve import (
     write_byte_tokenizer,
 )
 
-REQUIRE = os.environ.get("TRITON_OFFLOAD_REQUIRE_ENGINE") == "1"
 HERE = os.path.dirname(os.path.abspath(__file__))
 MiB = 1 << 20
 MODEL_NAME = "tiny-llama"
@@ -68,37 +68,24 @@ REFUSAL_REASONS = (
 )
 
 
-def _engine_problem() -> str | None:
+def _server_problem() -> str | None:
     """Why ``vllm serve`` cannot run on vLLM's real CPU engine here, or None."""
+    problem = engine_problem()
+    if problem is not None:
+        return problem
     try:
-        import importlib.metadata
-
-        version = importlib.metadata.version("vllm")
-        # The compiled kernels (a CUDA build fails here), then what `vllm serve` imports
-        # (its OpenAI server's dependencies: orjson, fastapi, ...).
-        import vllm._C
+        # What `vllm serve` imports (its OpenAI server's dependencies: orjson, fastapi,
+        # ...), and the client the tests ask with.
+        import openai  # noqa: F401
         import vllm.entrypoints.cli.serve  # noqa: F401
     except Exception as error:
-        return (
-            f"vLLM's CPU engine or OpenAI server does not import ({type(error).__name__}: {error})"
-        )
-    if "cpu" not in version:
-        return f"vllm {version} is not a CPU build (ci/engine_env.sh builds one)"
-    try:
-        import openai  # noqa: F401
-    except ImportError as error:
-        return f"the openai client is not installed ({error})"
+        return f"vLLM's OpenAI server or the openai client does not import ({error})"
     return None
 
 
 @pytest.fixture(scope="module")
 def engine_ready() -> None:
-    problem = _engine_problem()
-    if problem is None:
-        return
-    if REQUIRE:
-        pytest.fail(f"TRITON_OFFLOAD_REQUIRE_ENGINE=1: {problem}")
-    pytest.skip(f"{problem}; build the engine with `bash ci/engine_env.sh VENV`")
+    skip_or_fail(_server_problem())
 
 
 def served_config(**extra: Any) -> dict[str, Any]:
