@@ -115,7 +115,7 @@ fi
 # The project itself, without letting pip re-resolve torch or vllm; einops is imported by
 # vLLM's Qwen3-Next / GDN layers.
 "$venv/bin/python" -m pip install -q --no-deps -e "$repo"
-"$venv/bin/python" -m pip install -q 'xxhash>=3.0' einops 'pytest>=8' 'hypothesis>=6.100' 'pytest-benchmark>=4'
+"$venv/bin/python" -m pip install -q 'xxhash>=3.0' 'cryptography>=42' einops 'pytest>=8' 'hypothesis>=6.100' 'pytest-benchmark>=4'
 # `vllm serve` (tests/system/test_vllm_serve_real.py): vLLM's OpenAI server imports orjson,
 # which the laid-over release requires (>=3.11.6 in 0.33 and 0.34) and the CPU build's
 # dependencies lack (the server dies with "No module named 'orjson'"); the tests query it

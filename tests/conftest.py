@@ -23,3 +23,15 @@ def engines() -> Iterator[list[Any]]:
     yield made
     for engine in made:
         engine.close()
+
+
+@pytest.fixture
+def seal_key_file(tmp_path: Any) -> Any:
+    """A seal key as an operator makes one: 32 random bytes, mode 0600."""
+    import os
+
+    path = tmp_path / "seal.key"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as key_file:
+        key_file.write(os.urandom(32))
+    return path

@@ -30,7 +30,7 @@ try:
 
     from tests.helpers.spec_geometry import BPC, NUM_CHUNKS, Caches, _config
     from triton_offload.vllm import spec as _spec  # noqa: F401  (checks vLLM's names first)
-    from triton_offload.vllm.counters import VERIFY_SECONDS
+    from triton_offload.vllm.counters import CHUNKS_REFUSED, VERIFY_SECONDS
     from triton_offload.vllm.integrity import KeyedCPULoadStoreSpec
 
     VLLM_ERROR: str | None = None
@@ -41,6 +41,7 @@ from triton_offload.transfer import checksums as checksums_module
 from triton_offload.transfer import cpu_copy as cpu_copy_module
 from triton_offload.transfer import seal as seal_module
 from triton_offload.transfer.seal import SEAL_BYTES, page_checksum, read_seal
+from triton_offload.transfer.seal_key import SealKey
 
 pytestmark = pytest.mark.skipif(VLLM_ERROR is not None, reason=VLLM_ERROR or "")
 
@@ -267,5 +268,131 @@ def test_the_cpu_path_s_hashing_counts_as_verification_time(
         assert set(verified) == {("store",), ("load",)}
         for seconds in verified.values():
             assert hashing <= seconds < hashing + 60
+    finally:
+        worker.shutdown()
+
+
+# ------------------------------------------------------------------------ keyed seals
+
+KEYED_ALGORITHM = {"torch": "keyed_ghash64", "triton": "keyed_wsum64"}
+
+
+def keyed_worker(backend: str, key_file: Any) -> Any:
+    import triton_offload.vllm as tv
+
+    extra = {"verify_chunks": True, "backend": backend, "seal_key_file": str(key_file)}
+    spec = tv.TritonOffloadingSpec(_config(extra))
+    caches = Caches()
+    return spec, caches, spec.get_worker(caches.canonical)
+
+
+def _load_chunk_0(worker: Any, job: int) -> Any:
+    gpu = GPULoadStoreSpec([9, 10], [2, 0], [0, 0])
+    assert worker.submit_load(job, KeyedCPULoadStoreSpec([0], [key(0)]), gpu)
+    return finish(worker, job)
+
+
+def _refusals(worker: Any) -> dict[str, float]:
+    counts = worker.counters.drain().get(CHUNKS_REFUSED, {})
+    return {labels[0]: value for labels, value in counts.items()}
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_keyed_seals_load_under_their_key_and_refuse_a_forgery(
+    backend: str, seal_key_file: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``seal_key_file``, a store seals every page with the key's tag (its universal
+    hash computed where the bytes move: no host payload pass on the kernel path); the
+    same key loads; a page an attacker rewrote with an unkeyed seal recomputed over new
+    bytes, a page sealed under another key and a page whose bytes changed under its
+    keyed seal are refused, the first two counted as forgeries."""
+    _, _, worker = keyed_worker(backend, seal_key_file)
+    try:
+        sealer = worker.sealer
+        assert sealer.seal_key is not None
+        calls = Calls(monkeypatch)
+        store_all(worker)
+        assert (calls.count == 0) == (backend == "triton")
+        pages = pages_of(worker)
+        for chunk in range(NUM_CHUNKS):
+            seal = read_seal(np.ascontiguousarray(pages[chunk]))
+            assert not isinstance(seal, str), seal
+            assert seal.algorithm == KEYED_ALGORITHM[backend]
+            assert seal.key_id == sealer.seal_key.key_id
+        monkeypatch.undo()
+        worker.counters.drain()
+        assert _load_chunk_0(worker, 2).success
+        clean = pages[0].copy()
+        payload = sealer.group_payload[0]
+
+        # The attacker writes new bytes and a valid unkeyed seal over them.
+        pages[0, :payload] = np.random.default_rng(3).integers(0, 256, payload)
+        seal_module.write_seal(pages[0], payload, sealer.format, seal_module.key_digest(key(0)))
+        result = _load_chunk_0(worker, 3)
+        assert not result.success and "forgery" in result.problem
+        assert result.bad_keys == (key(0),)
+        assert _refusals(worker) == {"forgery": 1}
+
+        # A valid keyed seal of the same bytes under another key.
+        pages[0] = clean
+        other = SealKey(bytes(range(100, 132)))
+        seal_module.write_seal(
+            pages[0],
+            payload,
+            sealer.format,
+            seal_module.key_digest(key(0)),
+            algorithm=KEYED_ALGORITHM[backend],
+            seal_key=other,
+        )
+        result = _load_chunk_0(worker, 4)
+        assert not result.success and "another seal key" in result.problem
+        assert _refusals(worker) == {"forgery": 1}
+
+        # The bytes changed under the page's own keyed seal.
+        pages[0] = clean
+        pages[0, 7] ^= 0x01
+        result = _load_chunk_0(worker, 5)
+        assert not result.success and "payload checksum mismatch" in result.problem
+        assert _refusals(worker) == {"checksum": 1}
+
+        pages[0] = clean
+        assert _load_chunk_0(worker, 6).success
+    finally:
+        worker.shutdown()
+
+
+def test_a_keyed_page_is_refused_by_an_engine_without_the_key(seal_key_file: Any) -> None:
+    """An engine without a seal key cannot check a keyed tag: the page is refused, never
+    read as an unkeyed checksum."""
+    _, _, keyed = keyed_worker("torch", seal_key_file)
+    _, _, plain = sealed_worker("torch")
+    try:
+        store_all(keyed)
+        pages_of(plain)[:] = pages_of(keyed)
+        plain.counters.drain()
+        result = _load_chunk_0(plain, 2)
+        assert not result.success and "no seal key" in result.problem
+        assert _refusals(plain) == {"keyed": 1}
+    finally:
+        keyed.shutdown()
+        plain.shutdown()
+
+
+def test_a_page_keyed_on_another_kind_of_host_is_checked_on_this_one(
+    seal_key_file: Any,
+) -> None:
+    """A page sealed with the key's GHASH (a CPU host) read where the kernel computes the
+    keyed weighted sum: checked on the host under the same key, and a flipped byte is
+    refused."""
+    _, _, worker = keyed_worker("triton", seal_key_file)
+    try:
+        store_all(worker)
+        sealer = worker.sealer
+        sealer.seal(0, 0, seal_module.key_digest(key(0)), algorithm="keyed_ghash64")
+        assert _load_chunk_0(worker, 3).success
+        assert sealer.host_checked_pages == 1
+        pages_of(worker)[0, 5] ^= 0x10
+        result = _load_chunk_0(worker, 4)
+        assert not result.success and "payload checksum mismatch" in result.problem
     finally:
         worker.shutdown()

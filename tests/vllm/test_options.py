@@ -248,3 +248,38 @@ def test_a_misspelt_connector_name_is_named() -> None:
 
     with pytest.raises(AttributeError, match="did you mean 'TritonOffloadingConnector'"):
         package.TritonOffloadConnector  # noqa: B018
+
+
+def test_a_seal_key_file_is_checked_before_the_model_loads(
+    tmp_path: pathlib.Path, seal_key_file: pathlib.Path
+) -> None:
+    """``seal_key_file``: a missing, short, group- or world-accessible file, a symlink,
+    and a key with seals off or on stock rows are refused at the configuration check
+    (before any engine starts), each naming the file or the conflicting key; a private
+    file of 32 random bytes is accepted."""
+    import os
+
+    from triton_offload.vllm.options import check_extra_config
+
+    def refused(path: object, message: str, **more: Any) -> None:
+        with pytest.raises(ValueError, match=message):
+            check_extra_config({**GOOD, "seal_key_file": path, **more}, "TritonOffloadingSpec")
+
+    check_extra_config({**GOOD, "seal_key_file": str(seal_key_file)}, "TritonOffloadingSpec")
+    missing = tmp_path / "nothing.key"
+    refused(str(missing), rf"'seal_key_file'\] '{missing}' does not exist")
+    short = tmp_path / "short.key"
+    short.write_bytes(os.urandom(16))
+    short.chmod(0o600)
+    refused(str(short), rf"'{short}' holds 16 bytes; a seal key needs at least 32")
+    for mode in (0o640, 0o604, 0o620):
+        seal_key_file.chmod(mode)
+        refused(str(seal_key_file), rf"'{seal_key_file}' has mode 0{mode:o}: other users")
+    seal_key_file.chmod(0o600)
+    link = tmp_path / "link.key"
+    link.symlink_to(seal_key_file)
+    refused(str(link), rf"'{link}' cannot be opened")
+    refused(str(tmp_path), rf"'{tmp_path}' is not a regular file")
+    refused(42, r"\['seal_key_file'\] must be a file path, got 42$")
+    refused(str(seal_key_file), r"verify_chunks=false turns them off", verify_chunks=False)
+    check_extra_config({**GOOD, "seal_key_file": str(seal_key_file)}, "TritonOffloadingSpec")

@@ -14,7 +14,8 @@ On CUDA (and under the Triton interpreter) the sums are ``wsum64``, computed by 
 copy kernel in the same pass as the copy, or by a device pass over the GPU blocks
 beside a DMA copy; the host reads no payload byte. On the CPU path the host computes
 ``xxh3_64`` of each page right after its copy, while its bytes are still in cache
-(``cpu_copy.copy_and_hash_pages``).
+(``cpu_copy.copy_and_hash_pages``). With a seal key both are keyed (``keyed_wsum64``,
+``keyed_ghash64``: ``transfer.seal_key``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import numpy as np
 from triton_offload.transfer.jobs import PairTable
 from triton_offload.transfer.layout import CacheLayout
 from triton_offload.transfer.seal import page_checksums
+from triton_offload.transfer.seal_key import SealKey
 
 
 @dataclass(frozen=True)
@@ -130,14 +132,18 @@ def page_groups(table: PairTable, rows: np.ndarray) -> np.ndarray:
 
 
 def host_checksums(
-    pool: np.ndarray, layout: CacheLayout, table: PairTable, algorithm: str
+    pool: np.ndarray,
+    layout: CacheLayout,
+    table: PairTable,
+    algorithm: str,
+    seal_key: SealKey | None = None,
 ) -> PageChecksums:
     """The CPU path: each page's checksum computed here from the pool's bytes (the
     group's row bytes of every row the job named)."""
     started = time.perf_counter()
     rows = np.unique(table.pairs[:, 1]).astype(np.int64)
     lengths = np.asarray(layout.group_row_bytes, dtype=np.int64)[page_groups(table, rows)]
-    values = page_checksums(pool, rows, lengths, algorithm)
+    values = page_checksums(pool, rows, lengths, algorithm, seal_key)
     return PageChecksums(rows, values, algorithm, time.perf_counter() - started)
 
 

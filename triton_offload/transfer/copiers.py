@@ -129,11 +129,12 @@ class HostCopier(Copier):
         stream: Any,
         *,
         hashed: memoryview | None = None,
+        digest: Callable[[memoryview], int] | None = None,
     ) -> Callable[[], Any]:
         """The job's copy. With ``hashed`` (the pool's bytes, ``cpu_copy.pool_bytes``)
         the copy hashes each row it names right after copying it and returns a
         ``cpu_copy.HashedCopy`` (a checksummed job: its pages are written whole, one
-        part, every plane)."""
+        part, every plane); ``digest`` is the hash (XXH3-64 when None)."""
         layout, address, stride = self.layout, self.pool_address, self.row_stride
         if planes is not None and len(planes) == len(layout.planes):
             planes = None
@@ -149,6 +150,7 @@ class HostCopier(Copier):
                 direction,
                 hashed,
                 runs=self._runs,
+                digest=digest,
             )
         parts = writer_parts(layout, table, direction, planes)
         if len(parts) == 1:  # a load, or a store whose planes all write every slot

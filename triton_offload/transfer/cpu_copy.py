@@ -390,12 +390,16 @@ def copy_and_hash_pages(
     pool: memoryview,
     planes: Sequence[int] | None = None,
     runs: RunBuilder | None = None,
+    digest: Callable[[memoryview], int] | None = None,
 ) -> HashedCopy:
-    """:func:`copy_pages`, each pool row the job names hashed (XXH3-64 of its payload,
+    """:func:`copy_pages`, each pool row the job names hashed (``digest`` of its payload,
+    XXH3-64 when None; a seal key's ``keyed_ghash64`` for keyed seals;
     the slots the job does not move included) right after the copies into or out of it,
     while its bytes are in cache: a batch of rows of about :data:`HOT_BATCH_BYTES` is
     copied, then hashed. A store's rows are hashed as written, a load's as read.
     ``pool``: the pool's bytes from ``pool_address`` (:func:`pool_bytes`)."""
+    if digest is None:
+        digest = _digest
     bounds = group_offsets.tolist()
     payload = layout.group_row_bytes
     if pairs.shape[0] <= SMALL_JOB_PAGES:
@@ -425,7 +429,7 @@ def copy_and_hash_pages(
         )
         started = time.perf_counter()
         values = [
-            _digest(pool[row * pool_row_bytes : row * pool_row_bytes + length])
+            digest(pool[row * pool_row_bytes : row * pool_row_bytes + length])
             for row, length in zip(row_list, lengths, strict=True)
         ]
         seconds = time.perf_counter() - started
@@ -459,6 +463,7 @@ def copy_and_hash_pages(
         row_bounds,
         pool,
         [0] * rows.size,
+        digest,
     )
     batches = len(row_bounds) - 1
     threads = min(_threads_for(job), batches)
@@ -488,11 +493,12 @@ class _HashWork(NamedTuple):
     row_bounds: list[int]
     pool: memoryview
     values: list[int]  # filled in by run(), one slot per row
+    digest: Callable[[memoryview], int]
 
     def run(self, batches: range) -> float:
         """Copy and hash ``batches``; returns the seconds spent hashing."""
         hashing = 0.0
-        pool, starts, lengths = self.pool, self.row_starts, self.row_lengths
+        pool, starts, lengths, digest = self.pool, self.row_starts, self.row_lengths, self.digest
         for index in batches:
             lo, hi = self.run_bounds[index], self.run_bounds[index + 1]
             collections.deque(
@@ -502,7 +508,7 @@ class _HashWork(NamedTuple):
             started = time.perf_counter()
             first, last = self.row_bounds[index], self.row_bounds[index + 1]
             self.values[first:last] = [
-                _digest(pool[start : start + length])
+                digest(pool[start : start + length])
                 for start, length in zip(starts[first:last], lengths[first:last], strict=True)
             ]
             hashing += time.perf_counter() - started

@@ -69,6 +69,7 @@ from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 from triton_offload.planner.plan import OffloadPlan
@@ -117,7 +118,8 @@ from triton_offload.transfer.pool import (
     cuda_api,
     wrap_pool,
 )
-from triton_offload.transfer.seal import DEVICE_ALGORITHM, HOST_ALGORITHM
+from triton_offload.transfer.seal import checksum_algorithm
+from triton_offload.transfer.seal_key import SealKey
 from triton_offload.transfer.selection import (
     PATH_CHOICES,
     Assignment,
@@ -278,6 +280,9 @@ class TransferEngine:
             kernel or a device pass on CUDA and under the Triton interpreter (its
             variants compiled now), ``xxh3_64`` by the host on the CPU path
             (:attr:`checksum_algorithm`; see ``transfer.checksums``).
+        seal_key: with ``page_checksums``, the pages' sums are keyed universal hashes
+            (``keyed_wsum64`` by the kernel, ``keyed_ghash64`` by the host on the CPU
+            path; see ``transfer.seal_key``) instead of checksums anyone can compute.
     """
 
     def __init__(
@@ -296,6 +301,7 @@ class TransferEngine:
         path_choice: PathChoice = "plane",
         calibration_rows: tuple[int, int] = (0, 1),
         page_checksums: bool = False,
+        seal_key: SealKey | None = None,
     ) -> None:
         num_programs = _checked_arguments(
             backend, path_choice, num_host_blocks, pool_piece_bytes, num_programs, page_checksums
@@ -327,6 +333,11 @@ class TransferEngine:
                 f"take turns writing them (writer classes {self.layout.writer_classes})"
             )
         self.page_checksums = page_checksums
+        if seal_key is not None and not isinstance(seal_key, SealKey):
+            raise TypeError(f"seal_key must be a SealKey or None, got {type(seal_key).__name__}")
+        if seal_key is not None and not page_checksums:
+            raise ValueError("seal_key is given but page_checksums is off: nothing would be keyed")
+        self.seal_key = seal_key
         if not self.cuda and backend == "dma":
             raise ValueError("backend 'dma' needs CUDA caches; the caches are on the CPU")
         if self.cuda and backend == "torch":
@@ -456,21 +467,25 @@ class TransferEngine:
         sums wherever a kernel can run (the bytes are summed where they move), the
         host's hash on the CPU path; with ``page_checksums`` the summing launches'
         tables are uploaded and their kernels compiled now, not mid-serving."""
-        self.checksum_algorithm: str = (
-            DEVICE_ALGORITHM if self.cuda or self.backend == "triton" else HOST_ALGORITHM
-        )
+        on_device = self.cuda or self.backend == "triton"
+        self.checksum_algorithm: str = checksum_algorithm(on_device, self.seal_key is not None)
         # The launches that sum pages (fused into the copy, or read-only passes).
         self._summer: TritonCopier | None = None
         # The CPU path's: the pool's bytes as the host hashes them (made at the first
         # checksummed job).
         self._host_pool_bytes: memoryview | None = None
-        if not self.page_checksums or self.checksum_algorithm != DEVICE_ALGORITHM:
+        if not self.page_checksums or not on_device:
             return
         summer = triton if isinstance(triton, TritonCopier) else self._make_copier("triton")
         assert isinstance(summer, TritonCopier)
         self._summer = summer
         with torch.cuda.device(self.device) if self.cuda else contextlib.nullcontext():
             summer.gap_tables()  # uploaded now, before any job's stream reads it
+            if self.seal_key is not None:
+                # One weights table for every page: the longest payload's words.
+                words = -(-max(self.layout.group_row_bytes, default=0) // 4)
+                weights = self.seal_key.weights(words).view(np.int64)
+                summer.set_page_weights(torch.from_numpy(weights.copy()).to(self.device))
             if self.cuda:
                 summer.warm_up(checksum=True)
 
@@ -647,7 +662,7 @@ class TransferEngine:
             # The CPU path: the host hashes each page once the last stage landed.
             def hash_pages() -> None:
                 sums = host_checksums(
-                    self.pool.numpy(), self.layout, table, self.checksum_algorithm
+                    self.pool.numpy(), self.layout, table, self.checksum_algorithm, self.seal_key
                 )
                 job.checksum_rows, job.checksum_values = sums.rows, sums.values
                 job.checksum_seconds = sums.seconds
@@ -1018,7 +1033,8 @@ class TransferEngine:
                 job.finished.set()
 
     def _copy_and_hash(self, job: RunningJob, table: PairTable) -> None:
-        """The CPU path's checksummed job: each pool row hashed (XXH3-64) right after
+        """The CPU path's checksummed job: each pool row hashed (XXH3-64, or the seal
+        key's GHASH) right after
         its copy, while its bytes are in cache. ``transfer_time`` is the whole pass, as
         a fused kernel's is on CUDA; the hashing's share goes with the checksums."""
         assert job.assignment == (("torch", None),), job.assignment
@@ -1027,8 +1043,9 @@ class TransferEngine:
                 self.pool_address, self.row_stride, self.pool.shape[0], self.pool.shape[1]
             )
         # Through the copier, as every CPU copy: one place runs (and may fail) them.
+        digest = None if self.seal_key is None else self.seal_key.keyed_ghash64
         copy = self.copiers["torch"].prepare(
-            table, job.direction, None, job.holds, None, hashed=self._host_pool_bytes
+            table, job.direction, None, job.holds, None, hashed=self._host_pool_bytes, digest=digest
         )
         start = time.perf_counter()
         hashed = copy()

@@ -19,8 +19,10 @@ offset bytes field
              algorithm at offset 48
 40     4     payload length: bytes of the page the checksum covers (the group's row)
 44     2     page index (this worker's page of the row) and 46 2: page count
-48     1     checksum algorithm: 1 ``wsum64``, 2 ``xxh3_64`` (:data:`ALGORITHMS`)
-49     7     zero
+48     1     checksum algorithm: 1 ``wsum64``, 2 ``xxh3_64``; keyed: 3
+             ``keyed_wsum64``, 4 ``keyed_ghash64`` (:data:`ALGORITHMS`)
+49     7     key id of the seal key (keyed seals, :mod:`~triton_offload.transfer.seal_key`);
+             zero in unkeyed seals
 56     8     header check: ``wsum64`` of bytes 0-55 (a damaged seal is told apart from
              a wrong payload)
 ====== ===== ==========================================================================
@@ -37,9 +39,12 @@ computes the other algorithm checks that page on the host (counted, logged), and
 scheduler checks headers only (no payload byte).
 
 Neither is a defence against an adversary who writes the shared directory: such a
-writer can forge any checksum. Format v1 (zlib CRC-32, before the checksum moved into
-the copy) is refused with a reason naming the version and counted
-(:func:`refused_formats`), never misread.
+writer can forge any checksum. With a seal key the checksum field holds a keyed tag
+instead (:mod:`triton_offload.transfer.seal_key`: a keyed universal hash computed where
+the bytes move, finished by a PRF over the page's identity), and an engine with a key
+refuses every page that is not sealed under it, unkeyed seals included. Format v1 (zlib
+CRC-32, before the checksum moved into the copy) is refused with a reason naming the
+version and counted (:func:`refused_formats`), never misread.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ import numpy as np
 import xxhash
 
 from triton_offload.transfer.layout import ROW_LAYOUT_VERSION, Plane
+from triton_offload.transfer.seal_key import KEY_ID_BYTES, SealKey
 
 #: Bytes of the seal at the end of every sealed page.
 SEAL_BYTES = 64
@@ -67,12 +73,25 @@ SEAL_VERSION = 2
 NO_KEY = bytes(8)
 
 #: The checksum algorithms a seal may name, with their ids in the seal.
-ALGORITHMS: dict[str, int] = {"wsum64": 1, "xxh3_64": 2}
+ALGORITHMS: dict[str, int] = {"wsum64": 1, "xxh3_64": 2, "keyed_wsum64": 3, "keyed_ghash64": 4}
 ALGORITHM_NAMES: dict[int, str] = {number: name for name, number in ALGORITHMS.items()}
 #: What kernels and device passes compute (CUDA, the Triton interpreter).
 DEVICE_ALGORITHM = "wsum64"
 #: What the host computes where it copies the bytes itself (the CPU path).
 HOST_ALGORITHM = "xxh3_64"
+#: Their keyed forms (a seal key configured): the universal hashes a keyed tag is made of.
+KEYED_DEVICE_ALGORITHM = "keyed_wsum64"
+KEYED_HOST_ALGORITHM = "keyed_ghash64"
+KEYED_ALGORITHMS = frozenset({KEYED_DEVICE_ALGORITHM, KEYED_HOST_ALGORITHM})
+
+
+def checksum_algorithm(on_device: bool, keyed: bool) -> str:
+    """What a copy computes per page: on a device (a kernel or device pass) or on the
+    host (the CPU path), with or without a seal key."""
+    if keyed:
+        return KEYED_DEVICE_ALGORITHM if on_device else KEYED_HOST_ALGORITHM
+    return DEVICE_ALGORITHM if on_device else HOST_ALGORITHM
+
 
 #: The seal as numpy reads and writes it, a record per page (batched header work).
 RECORD = np.dtype(
@@ -86,12 +105,16 @@ RECORD = np.dtype(
         ("index", "<u2"),
         ("count", "<u2"),
         ("algorithm", "u1"),
-        ("zero", "V7"),
+        ("key_id", "S7"),
         ("check", "<u8"),
     ]
 )
 assert RECORD.itemsize == SEAL_BYTES
 _CHECKED_BYTES = 56  # the header check covers the record up to itself
+
+#: A page whose payload does not match its seal: damaged after sealing, or (keyed) forged
+#: by a writer without the key.
+PAYLOAD_MISMATCH = "payload checksum mismatch (the chunk's bytes changed after it was sealed)"
 
 _refusals: collections.Counter[int] = collections.Counter()
 _refusals_lock = threading.Lock()
@@ -179,7 +202,9 @@ def _wsum64_rows(rows: np.ndarray) -> np.ndarray:
     return out
 
 
-def page_checksum(payload: object, algorithm: str = HOST_ALGORITHM) -> int:
+def page_checksum(
+    payload: object, algorithm: str = HOST_ALGORITHM, seal_key: SealKey | None = None
+) -> int:
     """The checksum a seal stores for ``payload`` (bytes or a 1-D uint8 array): the
     reference every path must equal, bit for bit.
 
@@ -196,8 +221,17 @@ def page_checksum(payload: object, algorithm: str = HOST_ALGORITHM) -> int:
 
     The default is the host's algorithm, the one the CPU path seals with; kernels and
     device passes seal with ``wsum64`` (:data:`DEVICE_ALGORITHM`).
+
+    ``"keyed_wsum64"`` and ``"keyed_ghash64"`` need ``seal_key``: its universal hashes
+    (:class:`~triton_offload.transfer.seal_key.SealKey`), the part of a keyed tag that
+    covers the payload.
     """
     data = _payload_array(payload)
+    if algorithm in KEYED_ALGORITHMS:
+        key = _needed_key(algorithm, seal_key)
+        if algorithm == KEYED_HOST_ALGORITHM:
+            return key.keyed_ghash64(np.ascontiguousarray(data))
+        return key.keyed_wsum64(data)
     if algorithm == "xxh3_64":
         return int(xxhash.xxh3_64_intdigest(np.ascontiguousarray(data)))
     if algorithm == "wsum64":
@@ -205,17 +239,31 @@ def page_checksum(payload: object, algorithm: str = HOST_ALGORITHM) -> int:
     raise ValueError(f"unknown checksum algorithm {algorithm!r}; known: {sorted(ALGORITHMS)}")
 
 
+def _needed_key(algorithm: str, seal_key: SealKey | None) -> SealKey:
+    if seal_key is None:
+        raise ValueError(f"checksum algorithm {algorithm!r} is keyed: it needs the seal key")
+    return seal_key
+
+
 def page_checksums(
-    pages: np.ndarray, rows: np.ndarray, lengths: np.ndarray, algorithm: str
+    pages: np.ndarray,
+    rows: np.ndarray,
+    lengths: np.ndarray,
+    algorithm: str,
+    seal_key: SealKey | None = None,
 ) -> np.ndarray:
     """uint64 :func:`page_checksum` of ``pages[rows[i], :lengths[i]]`` for every ``i``
-    (the host's batched form: one C call per page for XXH3, one numpy pass per distinct
-    length for ``wsum64``)."""
+    (the host's batched form: one C call per page for XXH3 and GHASH, one numpy pass per
+    distinct length for ``wsum64``)."""
     rows = np.asarray(rows, dtype=np.int64)
     lengths = np.asarray(lengths, dtype=np.int64)
     out = np.zeros(rows.size, dtype=np.uint64)
-    if algorithm == "xxh3_64":
-        digest = xxhash.xxh3_64_intdigest
+    if algorithm in ("xxh3_64", KEYED_HOST_ALGORITHM):
+        digest = (
+            xxhash.xxh3_64_intdigest
+            if algorithm == "xxh3_64"
+            else _needed_key(algorithm, seal_key).keyed_ghash64
+        )
         if rows.size and pages.ndim == 2 and (pages.shape[1] <= 1 or pages.strides[1] == 1):
             # One flat view of the rows' span: slicing a memoryview costs a fraction of
             # a numpy row view, which matters at 8 KiB pages (one call per page).
@@ -233,12 +281,17 @@ def page_checksums(
                 for row, length in zip(rows.tolist(), lengths.tolist(), strict=True)
             ]
         return out
-    if algorithm != "wsum64":
+    if algorithm not in ("wsum64", KEYED_DEVICE_ALGORITHM):
         raise ValueError(f"unknown checksum algorithm {algorithm!r}; known: {sorted(ALGORITHMS)}")
+    summed = (
+        _wsum64_rows
+        if algorithm == "wsum64"
+        else _needed_key(algorithm, seal_key).keyed_wsum64_rows
+    )
     for length in np.unique(lengths).tolist():
         where = np.flatnonzero(lengths == length)
         if length:
-            out[where] = _wsum64_rows(pages[rows[where], :length])
+            out[where] = summed(pages[rows[where], :length])
     return out
 
 
@@ -279,6 +332,8 @@ class Seal:
     algorithm: str
     page_index: int
     page_count: int
+    #: The seal key's id (keyed seals), zero bytes in an unkeyed seal.
+    key_id: bytes = bytes(KEY_ID_BYTES)
 
 
 def _check_page(page: np.ndarray) -> None:
@@ -308,6 +363,31 @@ def header_checks(records: np.ndarray) -> np.ndarray:
     return _wsum64_rows(raw)
 
 
+def _key_id_word(seal_key: SealKey) -> np.uint64:
+    """Bytes 49-55 of a keyed seal as their share of the record's u64 word 6."""
+    return np.uint64(int.from_bytes(seal_key.key_id, "little") << 8)
+
+
+def _keyed_numbers() -> list[int]:
+    return [ALGORITHMS[name] for name in sorted(KEYED_ALGORITHMS)]
+
+
+def _stored_checksums(
+    records: np.ndarray, values: np.ndarray, seal_key: SealKey | None
+) -> np.ndarray:
+    """What the checksum field of each record must hold when its payload's checksum by
+    the record's algorithm is ``values[i]``: the value itself (unkeyed), the key's tag
+    over the record's identity and the value (keyed; ``seal_key`` required then)."""
+    keyed = np.flatnonzero(np.isin(records["algorithm"], _keyed_numbers()))
+    if keyed.size == 0:
+        return values
+    assert seal_key is not None, "keyed records are refused by their header without a key"
+    words = np.ascontiguousarray(records[keyed]).view("<u8").reshape(-1, 8)
+    out = np.array(values, dtype=np.uint64, copy=True)
+    out[keyed] = seal_key.tags(words, out[keyed])
+    return out
+
+
 def seal_records(
     count: int,
     fmt: SealFormat,
@@ -315,10 +395,15 @@ def seal_records(
     checksums: np.ndarray,
     lengths: np.ndarray,
     algorithm: str,
+    seal_key: SealKey | None = None,
 ) -> np.ndarray:
     """``count`` sealed records (``RECORD``): ``keys`` ``[count, 8]`` uint8 key digests,
-    ``checksums`` uint64, ``lengths`` payload bytes, one algorithm for all."""
+    ``checksums`` uint64, ``lengths`` payload bytes, one algorithm for all. A keyed
+    algorithm needs ``seal_key``: the records then carry its id and its tags over the
+    ``checksums`` (the payloads' universal hashes)."""
     number = _check_algorithm(algorithm)
+    if algorithm in KEYED_ALGORITHMS:
+        _needed_key(algorithm, seal_key)
     records = np.zeros(count, dtype=RECORD)
     records["magic"] = SEAL_MAGIC
     records["config"] = fmt.config_digest
@@ -329,6 +414,10 @@ def seal_records(
     records["index"] = fmt.page_index
     records["count"] = fmt.page_count
     records["algorithm"] = number
+    if algorithm in KEYED_ALGORITHMS:
+        assert seal_key is not None
+        records["key_id"] = seal_key.key_id
+        records["checksum"] = _stored_checksums(records, records["checksum"], seal_key)
     records["check"] = header_checks(records)
     return records
 
@@ -341,9 +430,11 @@ def write_seal(
     *,
     checksum: int | None = None,
     algorithm: str = HOST_ALGORITHM,
+    seal_key: SealKey | None = None,
 ) -> None:
     """Seal ``page`` (its first ``payload_bytes`` bytes are the chunk's bytes) with the
-    given ``checksum`` of them, or, when None, the one computed here by ``algorithm``."""
+    given ``checksum`` of them, or, when None, the one computed here by ``algorithm``
+    (keyed algorithms: with ``seal_key``, and the seal holds its tag)."""
     _check_page(page)
     _check_algorithm(algorithm)
     if not 0 <= payload_bytes <= page.size - SEAL_BYTES:
@@ -351,7 +442,7 @@ def write_seal(
             f"payload_bytes {payload_bytes} does not fit before the seal of a {page.size}-byte page"
         )
     if checksum is None:
-        checksum = page_checksum(page[:payload_bytes], algorithm)
+        checksum = page_checksum(page[:payload_bytes], algorithm, seal_key)
     record = seal_records(
         1,
         fmt,
@@ -359,6 +450,7 @@ def write_seal(
         np.array([checksum], dtype=np.uint64),
         np.array([payload_bytes]),
         algorithm,
+        seal_key,
     )
     page[page.size - SEAL_BYTES :] = record.view(np.uint8)
 
@@ -408,6 +500,7 @@ def read_seal(page: np.ndarray) -> Seal | str:
         ALGORITHM_NAMES[int(record["algorithm"])],
         int(record["index"]),
         int(record["count"]),
+        bytes(record["key_id"]).ljust(KEY_ID_BYTES, b"\0"),
     )
 
 
@@ -420,12 +513,15 @@ def header_problems(
     *,
     check_layout: bool = True,
     zero: np.ndarray | None = None,
+    seal_key: SealKey | None = None,
 ) -> list[str | None]:
     """Why each record may not be loaded as the given chunk in format ``fmt``, or None,
     from the headers alone (O(pages x 64 B), batched): the payload checksum is checked
     where the bytes move. ``keys`` ``[n, 8]`` uint8 digests (None: not checked),
     ``expected_lengths`` the payload bytes each page's format writes (None: not
-    checked), ``room`` the bytes before the seal."""
+    checked), ``room`` the bytes before the seal. With ``seal_key`` only seals under that
+    key pass (an unkeyed seal or another key's is a forgery); without one a keyed seal
+    cannot be checked and is refused."""
     if zero is None:
         zero = ~records.view(np.uint8).reshape(-1, SEAL_BYTES).any(axis=1)
     problems = _record_problems(records, zero)
@@ -437,13 +533,38 @@ def header_problems(
             f"{fmt.page_index} of {fmt.page_count} belongs"
         )
 
+    keyed = np.isin(records["algorithm"], _keyed_numbers())
     # In order of precedence: the first that applies names the page's problem.
-    checks: list[tuple[np.ndarray, Callable[[int], str]]] = [
+    checks: list[tuple[np.ndarray, Callable[[int], str]]] = []
+    if seal_key is not None:
+        checks.append(
+            (
+                ~keyed,
+                lambda i: (
+                    "unkeyed seal where this engine's seal key is required (a forgery, or "
+                    "stored without the key)"
+                ),
+            )
+        )
+        checks.append(
+            (
+                keyed & (records["key_id"] != seal_key.key_id),
+                lambda i: "sealed under another seal key (a forgery, or another key's store)",
+            )
+        )
+    else:
+        checks.append(
+            (
+                keyed,
+                lambda i: "keyed seal, and this engine has no seal key to check it (seal_key_file)",
+            )
+        )
+    checks.append(
         (
             records["config"] != fmt.config_digest,
             lambda i: "another configuration's chunk (config digest differs)",
         )
-    ]
+    )
     if check_layout:
         checks.append(
             (
@@ -488,6 +609,7 @@ def seal_problem(
     check_layout: bool = True,
     expected_payload: int | None = None,
     check_payload: bool = True,
+    seal_key: SealKey | None = None,
 ) -> str | None:
     """Why ``page`` may not be loaded as the chunk of ``key`` in format ``fmt``, or None.
 
@@ -496,7 +618,8 @@ def seal_problem(
     layout). ``expected_payload``: the payload length this format writes, when known.
     ``check_payload`` False checks the header only (the scheduler: the worker's load
     checks the payload where its bytes move); True recomputes the checksum here by the
-    algorithm the seal names.
+    algorithm the seal names. ``seal_key``: the engine's seal key (see
+    :func:`header_problems`).
     """
     _check_page(page)
     raw = page[page.size - SEAL_BYTES :]
@@ -509,13 +632,16 @@ def seal_problem(
         page.size - SEAL_BYTES,
         check_layout=check_layout,
         zero=np.array([not raw.any()]),
+        seal_key=seal_key,
     )[0]
     if problem is not None or not check_payload:
         return problem
     seal = read_seal(page)
     assert isinstance(seal, Seal)
-    if page_checksum(page[: seal.payload_bytes], seal.algorithm) != seal.payload_checksum:
-        return "payload checksum mismatch (the chunk's bytes changed after it was sealed)"
+    value = page_checksum(page[: seal.payload_bytes], seal.algorithm, seal_key)
+    stored = _stored_checksums(records, np.array([value], dtype=np.uint64), seal_key)
+    if int(stored[0]) != seal.payload_checksum:
+        return PAYLOAD_MISMATCH
     return None
 
 
@@ -530,7 +656,15 @@ class PageSealer:
     :meth:`expected` reads what a load must find.
     """
 
-    def __init__(self, pages: np.ndarray, fmt: SealFormat, group_payload: Sequence[int]) -> None:
+    def __init__(
+        self,
+        pages: np.ndarray,
+        fmt: SealFormat,
+        group_payload: Sequence[int],
+        seal_key: SealKey | None = None,
+    ) -> None:
+        if seal_key is not None and not isinstance(seal_key, SealKey):
+            raise TypeError(f"seal_key must be a SealKey or None, got {type(seal_key).__name__}")
         if not isinstance(pages, np.ndarray) or pages.dtype != np.uint8 or pages.ndim != 2:
             raise TypeError("pages must be a 2-D uint8 numpy array [num_chunks, page_bytes]")
         if pages.shape[1] > 1 and pages.strides[1] != 1:
@@ -544,12 +678,15 @@ class PageSealer:
                 )
         self._pages: np.ndarray | None = pages
         self.format = fmt
+        #: With a key, pages are sealed with its tags and only its seals are accepted.
+        self.seal_key = seal_key
         self.group_payload = tuple(int(p) for p in group_payload)
         self._payload = np.array(self.group_payload, dtype=np.int64)
         # The seal as eight little-endian u64 words (the fast path of sealing and
         # checking): 0-2 magic, config and layout digests (the same on every page),
-        # 3 key digest, 4 payload checksum, 5 length | index << 32 | count << 48 (by
-        # group), 6 algorithm id (the 7 bytes after it zero), 7 header check.
+        # 3 key digest, 4 payload checksum (keyed: the tag), 5 length | index << 32 |
+        # count << 48 (by group), 6 algorithm id | key id << 8 (zero without a key),
+        # 7 header check.
         self._fixed = np.frombuffer(
             SEAL_MAGIC + fmt.config_digest + fmt.layout_digest, dtype="<u8"
         ).astype(np.uint64)
@@ -591,12 +728,23 @@ class PageSealer:
         ``[n, 8]`` u64 words, header checks included (the bytes :func:`seal_records`
         writes, built without a structured array)."""
         number = _check_algorithm(algorithm)
+        keyed = algorithm in KEYED_ALGORITHMS
+        if keyed != (self.seal_key is not None):
+            raise ValueError(
+                f"checksum algorithm {algorithm!r} with "
+                f"{'a' if self.seal_key is not None else 'no'} seal key: a keyed sealer seals "
+                "and accepts keyed checksums only, an unkeyed one unkeyed ones"
+            )
         words = np.empty((len(groups), 8), dtype="<u8")
         words[:, :3] = self._fixed
         words[:, 3] = np.ascontiguousarray(keys, dtype=np.uint8).reshape(-1, 8).view("<u8")[:, 0]
-        words[:, 4] = checksums
         words[:, 5] = self._place[groups]
         words[:, 6] = number
+        if self.seal_key is not None:
+            words[:, 6] |= _key_id_word(self.seal_key)
+            words[:, 4] = self.seal_key.tags(words, np.asarray(checksums, dtype=np.uint64))
+        else:
+            words[:, 4] = checksums
         words[:, 7] = _header_words_check(words)
         return words
 
@@ -634,10 +782,18 @@ class PageSealer:
         expected = self._words(np.asarray(groups), keys, checksums, algorithm)
         return (stored_words == expected).all(axis=1)
 
-    def seal(self, chunk: int, group: int, key: bytes, algorithm: str = HOST_ALGORITHM) -> None:
-        """Seal one page, its checksum computed here on the host (tests, tools)."""
+    def seal(self, chunk: int, group: int, key: bytes, algorithm: str | None = None) -> None:
+        """Seal one page, its checksum computed here on the host (tests, tools); the
+        default algorithm is the host's (keyed with a key)."""
+        if algorithm is None:
+            algorithm = checksum_algorithm(False, self.seal_key is not None)
         write_seal(
-            self.pages[chunk], self.group_payload[group], self.format, key, algorithm=algorithm
+            self.pages[chunk],
+            self.group_payload[group],
+            self.format,
+            key,
+            algorithm=algorithm,
+            seal_key=self.seal_key,
         )
 
     def header_problems(
@@ -646,7 +802,12 @@ class PageSealer:
         """Each page's header problem (or None) and the records read, batched."""
         records = self.records(chunks)
         problems = header_problems(
-            records, self.format, keys, self._payload[np.asarray(groups)], self.room
+            records,
+            self.format,
+            keys,
+            self._payload[np.asarray(groups)],
+            self.room,
+            seal_key=self.seal_key,
         )
         return problems, records
 
@@ -674,16 +835,23 @@ class PageSealer:
             computed = computed.copy()
             for i in other.tolist():
                 length = int(records[i]["length"])
-                computed[i] = page_checksum(self.pages[int(chunks[i]), :length], str(names[i]))
-        bad = np.flatnonzero(fine & (computed != records["checksum"]))
+                computed[i] = page_checksum(
+                    self.pages[int(chunks[i]), :length], str(names[i]), self.seal_key
+                )
+        stored = _stored_checksums(records, computed, self.seal_key)
+        bad = np.flatnonzero(fine & (stored != records["checksum"]))
         for i in bad.tolist():
-            result[i] = "payload checksum mismatch (the chunk's bytes changed after it was sealed)"
+            result[i] = PAYLOAD_MISMATCH
         return result
 
     def problem(self, chunk: int, group: int, key: bytes | None) -> str | None:
         """One page's whole verdict, payload recomputed here (tests, tools)."""
         return seal_problem(
-            self.pages[chunk], self.format, key, expected_payload=self.group_payload[group]
+            self.pages[chunk],
+            self.format,
+            key,
+            expected_payload=self.group_payload[group],
+            seal_key=self.seal_key,
         )
 
 
@@ -700,13 +868,18 @@ __all__ = [
     "ALGORITHMS",
     "DEVICE_ALGORITHM",
     "HOST_ALGORITHM",
+    "KEYED_ALGORITHMS",
+    "KEYED_DEVICE_ALGORITHM",
+    "KEYED_HOST_ALGORITHM",
     "NO_KEY",
+    "PAYLOAD_MISMATCH",
     "RECORD",
     "SEAL_BYTES",
     "SEAL_MAGIC",
     "PageSealer",
     "Seal",
     "SealFormat",
+    "checksum_algorithm",
     "digest8",
     "header_problems",
     "key_digest",

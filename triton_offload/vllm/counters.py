@@ -53,9 +53,13 @@ BYTES = PREFIX + "bytes"
 VERIFY_SECONDS = PREFIX + "verify_seconds"
 
 #: Why a chunk was refused: the seal's verdict in one word (``read``: a secondary tier
-#: failed to read it back; ``other``: a problem this list does not know yet).
+#: failed to read it back; ``forgery``: not sealed under the engine's seal key, unkeyed
+#: seals included; ``keyed``: sealed under a key, and this engine has none; ``other``: a
+#: problem this list does not know yet).
 REASONS = (
     "checksum",
+    "forgery",
+    "keyed",
     "short",
     "empty",
     "garbage",
@@ -134,6 +138,8 @@ _LABEL_VALUES: dict[str, Any] = {
 #: Seal problems (``triton_offload.transfer.seal``) by reason: the first phrase found in
 #: the problem's text names it. ``tests/vllm/test_counters.py`` makes each problem.
 _REASON_PHRASES = (
+    ("forgery", "forgery"),  # an unkeyed seal or another key's where a key is required
+    ("no seal key", "keyed"),  # a keyed seal an engine without the key cannot check
     ("failed to read", "read"),
     ("payload checksum mismatch", "checksum"),
     ("all zero bytes", "empty"),

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from triton_offload.transfer.seal import SEAL_BYTES, SealFormat, digest8, key_digest, seal_problem
+from triton_offload.transfer.seal_key import SealKey
 from triton_offload.vllm.compat import logger, supported_vllm_api
 from triton_offload.vllm.counters import (
     CHUNKS_REFUSED,
@@ -168,8 +169,11 @@ class ChunkGuard:
         page_bytes: int = 0,
         page_count: int = 0,
         digest: bytes | None = None,
+        seal_key: SealKey | None = None,
     ) -> None:
         self._region = region
+        #: The engine's seal key: promotions and tier files must be sealed under it.
+        self.seal_key = seal_key
         self._num_chunks = num_chunks
         self._row_stride = row_stride
         self.page_bytes = page_bytes
@@ -272,6 +276,7 @@ class ChunkGuard:
                 key_digest(key),
                 check_layout=False,
                 check_payload=check_payload,
+                seal_key=self.seal_key,
             )
             if problem is not None:
                 return f"page {page_index}: {problem}"

@@ -26,6 +26,7 @@ from typing import Any
 from triton_offload.transfer.copiers import check_num_programs
 from triton_offload.transfer.engine import Backend
 from triton_offload.transfer.jobs import FROM_POOL, TO_POOL
+from triton_offload.transfer.seal_key import SealKey
 from triton_offload.transfer.selection import parse_crossover
 from triton_offload.vllm.compat import (
     SPEC_NAME,
@@ -44,6 +45,7 @@ EXTRA_CONFIG_KEYS = (
     "verify_chunks",
     "layerwise_loads",
     "checkpoint_id",
+    "seal_key_file",
 )
 BACKENDS = ("auto", "triton", "dma", "torch")
 
@@ -92,6 +94,30 @@ def _checkpoint_id_option(extra: Mapping[str, Any]) -> str | None:
     return value
 
 
+def _seal_key_file_option(extra: Mapping[str, Any], verify: bool) -> str | None:
+    """``seal_key_file``: absent, or the path of a usable key (read and checked here, so
+    a missing, short or group/world-accessible file is refused before the model loads)."""
+    if "seal_key_file" not in extra:
+        return None
+    value = extra["seal_key_file"]
+    if not isinstance(value, str) or not value:
+        raise ValueError(
+            f"kv_connector_extra_config['seal_key_file'] must be a file path, got {value!r}"
+        )
+    if not verify:
+        raise ValueError(
+            "kv_connector_extra_config['seal_key_file'] keys the chunk seals, and "
+            "verify_chunks=false turns them off: drop one of the two"
+        )
+    if extra.get("canonical_layout"):
+        raise ValueError(
+            "kv_connector_extra_config['seal_key_file'] keys the chunk seals, and "
+            "canonical_layout rows are stock vLLM's, without seals: drop one of the two"
+        )
+    SealKey.from_file(value, "kv_connector_extra_config['seal_key_file']")
+    return value
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineOptions:
     """This spec's own extra-config keys, validated (docs/vllm.md describes each).
@@ -110,7 +136,11 @@ class EngineOptions:
     for each layer's stage only (:mod:`triton_offload.vllm.layerwise`; needs
     ``TritonOffloadingConnector``). Off by default. ``checkpoint_id``: the identity of
     the checkpoint served, over the one derived from its revision or files (see
-    :mod:`triton_offload.vllm.checkpoint`); None = derived.
+    :mod:`triton_offload.vllm.checkpoint`); None = derived. ``seal_key_file``: a file of
+    at least 32 random bytes readable by the engine's user only; every page's seal then
+    carries a keyed tag and only pages sealed under that key load
+    (:mod:`triton_offload.transfer.seal_key`); needs ``verify_chunks``. None = unkeyed
+    seals.
     """
 
     backend: Backend = "auto"
@@ -122,6 +152,14 @@ class EngineOptions:
     verify_chunks: bool = True
     layerwise_loads: bool = False
     checkpoint_id: str | None = None
+    seal_key_file: str | None = None
+
+    def seal_key(self) -> SealKey | None:
+        """The seal key read from ``seal_key_file`` (None without one); ValueError names
+        the file and what is wrong with it."""
+        if self.seal_key_file is None:
+            return None
+        return SealKey.from_file(self.seal_key_file, "kv_connector_extra_config['seal_key_file']")
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> EngineOptions:
@@ -162,6 +200,7 @@ class EngineOptions:
             verify_chunks=verify,
             layerwise_loads=layerwise,
             checkpoint_id=_checkpoint_id_option(extra),
+            seal_key_file=_seal_key_file_option(extra, verify),
         )
 
 

@@ -209,6 +209,8 @@ class TritonWorkerSide:
         #: Stock vLLM's rows (canonical_layout) carry none: they are shared byte for byte
         #: with instances that write no seal, so no byte may be added to them.
         self.sealed_pages = self.engine_options.verify_chunks and not self.stock_rows
+        #: The seal key (seal_key_file): seals carry its tags, only its seals load.
+        self.seal_key = self.engine_options.seal_key() if self.sealed_pages else None
         #: (chunks, row bytes) vLLM's CPU spec would have without the seals (seal_note).
         self._unsealed: tuple[int, int] | None = None
         if self.sealed_pages:
@@ -262,12 +264,13 @@ class TritonWorkerSide:
         if not self.sealed_pages:
             why = "canonical_layout: stock rows" if self.stock_rows else "verify_chunks=false"
             return f"seals off ({why})"
+        keyed = " keyed" if self.seal_key is not None else ""
         if self._unsealed is None:
-            return "seals on"
+            return f"seals on{keyed}"
         unsealed_chunks, unsealed_row = self._unsealed
         cost = 1 - self.num_chunks / unsealed_chunks if unsealed_chunks else 0.0
         return (
-            f"seals on ({SEAL_BYTES} B per worker page): {self.num_chunks} chunks fit "
+            f"seals on{keyed} ({SEAL_BYTES} B per worker page): {self.num_chunks} chunks fit "
             f"instead of {unsealed_chunks} ({100 * cost:.1f}% fewer, rows of "
             f"{int(self.kv_bytes_per_chunk)} B instead of {unsealed_row})"
             + ("; verify_chunks=false gives them back" if cost > 0 else "")
@@ -398,6 +401,7 @@ class TritonWorkerSide:
             page_bytes=int(self.cpu_page_size_per_worker),
             page_count=1 if self.replicated_layout else int(self.config.parallel.world_size),
             digest=self.seal_config_digest() if self.sealed_pages else None,
+            seal_key=self.seal_key,
         )
         for tier in getattr(manager, "secondary_tiers", ()):
             guard.watch_tier(manager, tier)
@@ -464,6 +468,7 @@ class TritonWorkerSide:
             crossover=options.crossover,
             # Sealed pages: every job's page checksums are computed where it moves them.
             page_checksums=self.sealed_pages,
+            seal_key=self.seal_key,
             calibration_rows=(
                 (region_plan.rank, world)
                 if shared_rows and 1 < world <= self.num_chunks
@@ -695,7 +700,7 @@ class TritonWorkerSide:
             1 if region_plan.replicated else region_plan.world_size,
         )
         pages = worker_pool_view(region, region_plan).numpy()
-        return PageSealer(pages, fmt, layout.group_row_bytes)
+        return PageSealer(pages, fmt, layout.group_row_bytes, self.seal_key)
 
     def _canonical_layout(self, kv_caches: Any, region_plan: RegionPlan) -> CacheLayout:
         """The fragment planes of vLLM's canonical pages, checked as vLLM's tiering spec
