@@ -22,20 +22,29 @@ def alternate(runs: dict[str, Callable[[], Any]], rounds: int) -> dict[str, floa
     return {name: statistics.median(values) for name, values in seconds.items()}
 
 
-def report(benchmark: Any, what: str, nbytes: int, times: dict[str, float], **extra: Any) -> float:
-    plain, verified = times["unverified"], times["verified"]
-    ratio = plain / verified
+def report(
+    benchmark: Any,
+    what: str,
+    nbytes: int,
+    times: dict[str, float],
+    *,
+    names: tuple[str, str] = ("unverified", "verified"),
+    **extra: Any,
+) -> float:
+    """Print and store (``extra_info``) the GB/s of both ``names`` in ``times`` and
+    ``ratio`` = the second's speed / the first's; returns the ratio."""
+    base, measured = names
+    ratio = times[base] / times[measured]
     gbps = {name: round(nbytes / seconds / 1e9, 3) for name, seconds in times.items()}
     benchmark.extra_info.update(
+        {f"{name}_GBps": gbps[name] for name in names},
         bytes=nbytes,
-        unverified_GBps=gbps["unverified"],
-        verified_GBps=gbps["verified"],
         ratio=round(ratio, 3),
         **extra,
     )
     notes = "".join(f", {key} {value}" for key, value in extra.items())
     print(
-        f"\n{what}: {gbps['unverified']} GB/s unverified, {gbps['verified']} GB/s verified, "
+        f"\n{what}: {gbps[base]} GB/s {base}, {gbps[measured]} GB/s {measured}, "
         f"ratio {ratio:.2f}{notes}"
     )
     return ratio

@@ -7,7 +7,9 @@ at worker pages of 8 KiB and 256 KiB. Each row prints and stores in ``extra_info
 GB/s unverified and verified and ``ratio`` = verified speed / unverified speed.
 ``bench_seal.py`` measures the engine alone on every path. A last row times 1-chunk
 loads (8 KiB pages), verified and not, and prints the difference of their medians: the
-fixed cost of verifying a load (goal: at most 60 us). Needs vLLM.
+fixed cost of verifying a load (goal: at most 60 us). The keyed rows compare verified
+jobs with a seal key (``seal_key_file``: the host's GHASH and the tags' AES) against
+verified jobs without one, same run (goal: keyed >= 0.9 of unkeyed). Needs vLLM.
 
 Run: ``python -m pytest bench/suites/bench_seal_worker.py --benchmark-enable -s``;
 without ``--benchmark-enable`` a few small rounds run as a smoke test.
@@ -15,6 +17,7 @@ without ``--benchmark-enable`` a few small rounds run as a smoke test.
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -55,7 +58,7 @@ except ImportError as error:  # pragma: no cover - exercised where vllm is absen
 BLOCKS_PER_CHUNK = 2
 
 
-def _worker_config(page: int, chunks: int, verify: bool) -> Any:
+def _worker_config(page: int, chunks: int, verify: bool, key_file: str | None = None) -> Any:
     """One full-attention group, one worker, ``page``-byte worker pages, room for
     ``chunks`` chunks; as vLLM's connector builds it."""
     from vllm.v1.kv_offload.config import OffloadingGroupConfig
@@ -74,6 +77,7 @@ def _worker_config(page: int, chunks: int, verify: bool) -> Any:
             "cpu_bytes_to_use": row * chunks,
             "backend": "torch",
             "verify_chunks": verify,
+            **({"seal_key_file": key_file} if key_file else {}),
         },
         engine_id=f"bench-seal-{uuid.uuid4()}",
         model=OffloadingModelConfig(name="bench", dtype="bfloat16", max_model_len=1 << 20),
@@ -97,8 +101,9 @@ def _worker_config(page: int, chunks: int, verify: bool) -> Any:
 class WorkerJobs:
     """vLLM's worker for one config: a store and a load of ``chunks`` chunks, repeatable."""
 
-    def __init__(self, page: int, chunks: int, verify: bool) -> None:
-        self.spec = OffloadingSpecFactory.create_spec(_worker_config(page, chunks, verify))
+    def __init__(self, page: int, chunks: int, verify: bool, key_file: str | None = None) -> None:
+        config = _worker_config(page, chunks, verify, key_file)
+        self.spec = OffloadingSpecFactory.create_spec(config)
         blocks = chunks * BLOCKS_PER_CHUNK
         generator = torch.Generator().manual_seed(page)
         self.cache = torch.randint(
@@ -155,6 +160,39 @@ def test_worker_verification_cost(benchmark: Any, page: int, direction: str) -> 
     finally:
         plain.close()
         verified.close()
+
+
+@pytest.mark.skipif(VLLM_ERROR is not None, reason=VLLM_ERROR or "")
+@pytest.mark.parametrize("page", PAGE_SIZES, ids=lambda p: f"{p >> 10}KiB")
+@pytest.mark.parametrize("direction", ["store", "load"])
+def test_worker_keyed_verification_cost(
+    benchmark: Any, page: int, direction: str, tmp_path: Any
+) -> None:
+    chunks, rounds = (SMOKE_CHUNKS, SMOKE_ROUNDS) if benchmark.disabled else (JOB_CHUNKS, ROUNDS)
+    key_file = tmp_path / "seal.key"
+    key_file.write_bytes(os.urandom(32))
+    key_file.chmod(0o600)
+    unkeyed, keyed = WorkerJobs(page, chunks, True), WorkerJobs(page, chunks, True, str(key_file))
+    try:
+        assert unkeyed.worker.sealer.seal_key is None
+        assert keyed.worker.sealer.seal_key is not None
+        unkeyed.store()
+        keyed.store()
+        run = {"unkeyed": getattr(unkeyed, direction), "keyed": getattr(keyed, direction)}
+        benchmark.group = f"keyed seals, vLLM worker, CPU path, {page >> 10} KiB pages"
+        benchmark.pedantic(run["keyed"], rounds=1, iterations=1)
+        times = alternate(run, rounds)
+        report(
+            benchmark,
+            f"worker {direction}, {page >> 10} KiB pages",
+            page * chunks,
+            times,
+            names=("unkeyed", "keyed"),
+        )
+        assert keyed.worker.sealer.host_checked_pages == 0
+    finally:
+        unkeyed.close()
+        keyed.close()
 
 
 ONE_CHUNK_ROUNDS = 300

@@ -42,6 +42,7 @@ from tests.helpers.vllm_engine import Engine
 from triton_offload.cli import main
 from triton_offload.cli import tier as tier_cli
 from triton_offload.transfer.seal import SealFormat, key_digest, read_seal, write_seal
+from triton_offload.transfer.seal_key import SealKey
 from triton_offload.vllm.tier_repair import TierFolder
 
 #: Every chunk of the first request's prompt goes to the tier (one block per chunk).
@@ -408,3 +409,62 @@ def test_the_command_never_imports_vllm(tier: dict[str, Any]) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[-1] == "vllm imported: False"
+
+
+def rekey(path: Path, key: bytes, page: int, seal_key: SealKey) -> None:
+    """Seal the one-page chunk file at ``path`` under ``seal_key`` (as an engine with that
+    ``seal_key_file`` writes it)."""
+    row = np.frombuffer(path.read_bytes(), dtype=np.uint8).copy()
+    seal = read_seal(row[:page])
+    assert not isinstance(seal, str) and seal.page_count == 1, seal
+    fmt = SealFormat(seal.config_digest, seal.layout_digest, seal.page_index, seal.page_count)
+    write_seal(
+        row[:page],
+        seal.payload_bytes,
+        fmt,
+        key_digest(key),
+        algorithm="keyed_ghash64",
+        seal_key=seal_key,
+    )
+    path.write_bytes(row.tobytes())
+
+
+def test_keyed_chunks_are_judged_only_under_their_key(
+    tier: dict[str, Any], seal_key_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without --seal-key-file a keyed chunk is counted, never refused or removed; under
+    the engines' key it is good and an unkeyed chunk is a forgery; under another key
+    every keyed chunk is refused; a bad key file is named."""
+    root: Path = tier["root"]
+    page = tier["page"]
+    items = sorted(tier["files"].items(), key=lambda item: item[1])
+    keyed = dict(items[: len(items) // 2])
+    unkeyed = dict(items[len(items) // 2 :])
+    seal_key = SealKey.from_file(seal_key_file)
+    for key, path in keyed.items():
+        rekey(path, key, page, seal_key)
+    before = {p: p.read_bytes() for p in chunk_files(root)}
+
+    code, report = report_of(capsys, root, "--remove-refused")
+    assert (code, report["refused"]) == (0, [])
+    assert {p: p.read_bytes() for p in chunk_files(root)} == before
+    code, out, _ = run_tier(capsys, str(root))
+    assert f"{len(unkeyed)} good, 0 refused, {len(keyed)} keyed (not checked" in out
+
+    code, report = report_of(capsys, root, "--seal-key-file", str(seal_key_file))
+    assert code == 1
+    refused = {root / entry["path"]: entry["problem"] for entry in report["refused"]}
+    assert set(refused) == set(unkeyed.values())
+    assert all("forgery" in problem for problem in refused.values())
+
+    other = tmp_path / "other.key"
+    other.write_bytes(os.urandom(32))
+    other.chmod(0o600)
+    code, report = report_of(capsys, root, "--seal-key-file", str(other))
+    refused = {root / entry["path"]: entry["problem"] for entry in report["refused"]}
+    assert set(refused) == set(tier["files"].values())
+    assert all("another seal key" in refused[path] for path in keyed.values())
+
+    other.chmod(0o644)
+    code, out, err = run_tier(capsys, str(root), "--seal-key-file", str(other))
+    assert code != 0 and f"'{other}' has mode 0644" in err

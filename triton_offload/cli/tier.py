@@ -102,6 +102,8 @@ class RankReport:
     oldest_ns: int | None = None
     newest_ns: int | None = None
     good: int = 0
+    #: Keyed chunks not checked: no ``--seal-key-file`` given (never refused or removed).
+    keyed: int = 0
     refused: list[RefusedFile] = dataclasses.field(default_factory=list)
 
     def add(self, status: os.stat_result) -> None:
@@ -165,6 +167,12 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         help="remove every refused chunk file (judged again as it is removed; safe beside "
         "a live engine, whose next store of the chunk writes a good file)",
     )
+    parser.add_argument(
+        "--seal-key-file",
+        metavar="PATH",
+        help="the engines' seal_key_file: keyed chunks are checked under it (without it "
+        "they are counted, never judged or removed)",
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
@@ -177,11 +185,12 @@ def chunk_key(hash_hex: str, group: int) -> bytes:
     return bytes.fromhex(hash_hex) + int(group).to_bytes(4, "big")
 
 
-def offline_problem(data: bytes, key: bytes, page_bytes: int) -> str | None:
+def offline_problem(data: bytes, key: bytes, page_bytes: int, seal_key: Any = None) -> str | None:
     """Why the chunk file ``data`` of ``key`` is refused whatever the engine's
     configuration, or None: every page's seal, place, key and payload checksum, and that
     every page is there. The configuration digest is taken from page 0 (all pages must
-    carry the same); the row layout digest is not checked (a worker fact)."""
+    carry the same); the row layout digest is not checked (a worker fact). ``seal_key``
+    (a ``SealKey``): keyed seals are checked under it, and only they pass."""
     import numpy as np
 
     from triton_offload.transfer.seal import SealFormat, key_digest, read_seal, seal_problem
@@ -199,7 +208,7 @@ def offline_problem(data: bytes, key: bytes, page_bytes: int) -> str | None:
     for index in range(count):
         fmt = SealFormat(first.config_digest, bytes(8), index, count)
         page = row[index * page_bytes : (index + 1) * page_bytes]
-        problem = seal_problem(page, fmt, digest, check_layout=False)
+        problem = seal_problem(page, fmt, digest, check_layout=False, seal_key=seal_key)
         if problem is not None:
             return f"page {index}: {problem}"
     return None
@@ -351,9 +360,10 @@ def _classify_root(tier: Any, report: TierReport) -> list[tuple[str, int]]:
 
 
 def _scan_rank(
-    tier: Any, report: TierReport, model: ModelReport, folder: str, rank: int
+    tier: Any, report: TierReport, model: ModelReport, folder: str, rank: int, seal_key: Any
 ) -> list[tuple[tuple[str, ...], bytes, str]]:
     """Count and judge one rank's chunk files; the refused ones as (parts, key, problem)."""
+    from triton_offload.transfer.seal import KEYED_WITHOUT_KEY
     from triton_offload.vllm.tier_repair import REFUSED_INFIX, RemovalOutcome, Unreachable
 
     books = model.ranks.setdefault(rank, RankReport())
@@ -409,18 +419,21 @@ def _scan_rank(
                 if _carries_a_seal(data, page):
                     model.sealed = True
                     digests.add(_config_digest(data, page))
-                problem = offline_problem(data, key, page)
+                problem = offline_problem(data, key, page, seal_key)
                 if problem is None:
                     books.good += 1
+                elif seal_key is None and KEYED_WITHOUT_KEY in problem:
+                    books.keyed += 1  # sealed under a key this run was not given
                 else:
                     refused.append(((*parts, name), key, problem))
     model.config_digests = sorted(digests)
     return refused
 
 
-def scan_tier(path: str, *, remove_refused: bool = False) -> TierReport:
+def scan_tier(path: str, *, remove_refused: bool = False, seal_key: Any = None) -> TierReport:
     """The report on the fs tier at ``path`` (UsageError when it is none), with the
-    refused files removed when ``remove_refused``."""
+    refused files removed when ``remove_refused``; keyed chunks checked under
+    ``seal_key`` (a ``SealKey``), or counted unchecked without one."""
     from triton_offload.vllm.tier_repair import Unreachable
 
     tier = _open_root(path)
@@ -432,11 +445,13 @@ def scan_tier(path: str, *, remove_refused: bool = False) -> TierReport:
             model = report.models[RANK_FOLDER.match(folder)["base"]]  # type: ignore[index]
             if model.dtype is None and model.config_problem is None:
                 _read_config(tier, model, Unreachable)
-            found.setdefault(model.folder, []).extend(_scan_rank(tier, report, model, folder, rank))
+            found.setdefault(model.folder, []).extend(
+                _scan_rank(tier, report, model, folder, rank, seal_key)
+            )
         for model in report.models.values():
             if model.dtype is None and model.config_problem is None:
                 _read_config(tier, model, Unreachable)
-            _settle_verdicts(tier, model, found.get(model.folder, []), remove_refused)
+            _settle_verdicts(tier, model, found.get(model.folder, []), remove_refused, seal_key)
     return report
 
 
@@ -445,6 +460,7 @@ def _settle_verdicts(
     model: ModelReport,
     refused: list[tuple[tuple[str, ...], bytes, str]],
     remove_refused: bool,
+    seal_key: Any,
 ) -> None:
     """Refusals stand in a folder whose chunks carry seals; in one where none does (rows
     written with ``verify_chunks`` false) no chunk is judged."""
@@ -457,14 +473,15 @@ def _settle_verdicts(
     for parts, key, problem in refused:
         entry = RefusedFile("/".join(parts), problem)
         if remove_refused:
-            entry.outcome = tier.remove_if_refused(parts, None, _judge(key, page)).value
+            judge = _judge(key, page, seal_key)
+            entry.outcome = tier.remove_if_refused(parts, None, judge).value
         rank = RANK_FOLDER.match(parts[0])
         assert rank is not None  # only rank folders are scanned
         model.ranks[int(rank["rank"])].refused.append(entry)
 
 
-def _judge(key: bytes, page: int) -> Callable[[bytes], str | None]:
-    return lambda data: offline_problem(data, key, page)
+def _judge(key: bytes, page: int, seal_key: Any) -> Callable[[bytes], str | None]:
+    return lambda data: offline_problem(data, key, page, seal_key)
 
 
 # ------------------------------------------------------------------------- output
@@ -499,6 +516,7 @@ def _model_lines(model: ModelReport) -> list[str]:
             f"{_when(books.oldest_ns)}, newest {_when(books.newest_ns)}"
         )
     good = sum(books.good for books in model.ranks.values())
+    keyed = sum(books.keyed for books in model.ranks.values())
     refused = sum(len(books.refused) for books in model.ranks.values())
     if model.page_bytes is None:
         seals = "not checked: stock rows carry no seal"
@@ -508,7 +526,9 @@ def _model_lines(model: ModelReport) -> list[str]:
         seals = "no chunk yet"
     else:
         seals = (
-            f"{good} good, {refused} refused; "
+            f"{good} good, {refused} refused"
+            + (f", {keyed} keyed (not checked: --seal-key-file)" if keyed else "")
+            + "; "
             f"{_count(len(model.config_digests), 'configuration digest')} (checked by a "
             "serving engine)"
         )
@@ -575,7 +595,15 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
-    report = scan_tier(args.root, remove_refused=args.remove_refused)
+    seal_key = None
+    if args.seal_key_file is not None:
+        from triton_offload.transfer.seal_key import SealKey
+
+        try:
+            seal_key = SealKey.from_file(args.seal_key_file, "--seal-key-file")
+        except ValueError as error:
+            raise UsageError(str(error)) from None
+    report = scan_tier(args.root, remove_refused=args.remove_refused, seal_key=seal_key)
     if args.json:
         print(json.dumps(as_json(report), indent=2, sort_keys=True))
     else:

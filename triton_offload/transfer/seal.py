@@ -116,6 +116,9 @@ _CHECKED_BYTES = 56  # the header check covers the record up to itself
 #: by a writer without the key.
 PAYLOAD_MISMATCH = "payload checksum mismatch (the chunk's bytes changed after it was sealed)"
 
+#: A keyed seal read without a key: not judged, refused (never misread as unkeyed).
+KEYED_WITHOUT_KEY = "keyed seal, and this engine has no seal key to check it (seal_key_file)"
+
 _refusals: collections.Counter[int] = collections.Counter()
 _refusals_lock = threading.Lock()
 
@@ -871,6 +874,7 @@ __all__ = [
     "KEYED_ALGORITHMS",
     "KEYED_DEVICE_ALGORITHM",
     "KEYED_HOST_ALGORITHM",
+    "KEYED_WITHOUT_KEY",
     "NO_KEY",
     "PAYLOAD_MISMATCH",
     "RECORD",
