@@ -341,7 +341,7 @@ cuda_test_files=(
   "tests/kernels/test_copy_blocks_specialization.py 25 20"
   "tests/bench/test_harness_cuda.py 40 0"
   "bench/suites/bench_kernel_tables.py 20 15"
-  "bench/suites/bench_seal.py 40 30"
+  "bench/suites/bench_seal.py 70 30"
   "bench/suites/bench_layerwise.py 30 25"
 )
 if [ -n "${GPU_CHECK_TEST_FILES:-}" ]; then

@@ -10,7 +10,10 @@ then a verified one, so that a busy machine slows both alike) and reporting medi
 - ``bench_seal_worker.py``: vLLM's worker as vLLM builds it (needs vLLM);
 - here, ``test_engine_verification_cost``: the engine alone on every path that runs here
   (CPU: "torch"; CUDA: "triton", "dma", "auto"), jobs with and without page checksums
-  plus the seal's header work; also the host's CPU seconds per verified GB.
+  plus the seal's header work; also the host's CPU seconds per verified GB;
+- here, ``test_engine_keyed_cost``: verified jobs with a seal key (keyed universal
+  hashes, ``transfer.seal_key``) against verified jobs without one, on the same paths
+  (goal: keyed >= 0.9 of unkeyed; the rows name ``unkeyed`` and ``keyed``).
 
 Each row prints and stores in ``extra_info``: GB/s unverified and verified and
 ``ratio`` = verified speed / unverified speed (1.0: free). Run:
@@ -32,6 +35,7 @@ from triton_offload import GroupSpec, plan_offload
 from triton_offload.transfer.engine import TransferEngine
 from triton_offload.transfer.jobs import JobSpec
 from triton_offload.transfer.seal import SEAL_BYTES, PageSealer, SealFormat, digest8, key_digest
+from triton_offload.transfer.seal_key import SealKey
 
 #: Worker page sizes of the acceptance figures: 8 KiB (small pages, per-page costs
 #: dominate) and 256 KiB (bytes dominate).
@@ -59,7 +63,9 @@ def _rounds(benchmark: Any, device: str = "cpu") -> tuple[int, int]:
 class EngineJobs:
     """An engine over a sealed pool (pages + 64 bytes per row) on ``backend``."""
 
-    def __init__(self, page: int, pages: int, device: str, backend: str) -> None:
+    def __init__(
+        self, page: int, pages: int, device: str, backend: str, seal_key: SealKey | None = None
+    ) -> None:
         generator = torch.Generator().manual_seed(page)
         cache = torch.randint(0, 256, (2 * pages, page), dtype=torch.uint8, generator=generator)
         cache = cache.to(device)
@@ -73,8 +79,9 @@ class EngineJobs:
             pool=pool[:, :page],
             backend=backend,
             page_checksums=True,
+            seal_key=seal_key,
         )
-        self.sealer = PageSealer(pool.numpy(), FORMAT, [page])
+        self.sealer = PageSealer(pool.numpy(), FORMAT, [page], seal_key)
         rows = torch.randperm(pages, generator=generator).numpy()
         blocks = torch.randperm(2 * pages, generator=generator)[:pages].tolist()
         self.spec = JobSpec([blocks], [rows.tolist()])
@@ -166,3 +173,44 @@ def test_engine_verification_cost_cuda(
     benchmark: Any, page: int, direction: str, backend: str
 ) -> None:
     _engine_cost(benchmark, page, direction, "cuda", backend)
+
+
+#: The key of the keyed rows (a fixed test key: the cost does not depend on its bytes).
+BENCH_KEY = bytes(range(32))
+
+
+def _keyed_cost(benchmark: Any, page: int, direction: str, device: str, backend: str) -> None:
+    pages, rounds = _rounds(benchmark, device)
+    unkeyed = EngineJobs(page, pages, device, backend)
+    keyed = EngineJobs(page, pages, device, backend, SealKey(BENCH_KEY))
+    unkeyed.store_sealed()
+    keyed.store_sealed()
+    name = "store_sealed" if direction == "store" else "load_checked"
+    run = {"unkeyed": getattr(unkeyed, name), "keyed": getattr(keyed, name)}
+    benchmark.group = f"keyed seals, engine, {device} {backend}, {page >> 10} KiB pages"
+    benchmark.pedantic(run["keyed"], rounds=1, iterations=1)
+    times = alternate(run, rounds)
+    report(
+        benchmark,
+        f"engine {device} {backend} {direction} keyed, {page >> 10} KiB pages",
+        page * pages,
+        times,
+        names=("unkeyed", "keyed"),
+        algorithm=keyed.engine.checksum_algorithm,
+    )
+    assert keyed.sealer.host_checked_pages == 0
+
+
+@pytest.mark.parametrize("page", PAGE_SIZES, ids=lambda p: f"{p >> 10}KiB")
+@pytest.mark.parametrize("direction", ["store", "load"])
+def test_engine_keyed_cost(benchmark: Any, page: int, direction: str) -> None:
+    _keyed_cost(benchmark, page, direction, "cpu", "torch")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", ["triton", "dma", "auto"])
+@pytest.mark.parametrize("page", PAGE_SIZES, ids=lambda p: f"{p >> 10}KiB")
+@pytest.mark.parametrize("direction", ["store", "load"])
+def test_engine_keyed_cost_cuda(benchmark: Any, page: int, direction: str, backend: str) -> None:
+    _keyed_cost(benchmark, page, direction, "cuda", backend)
