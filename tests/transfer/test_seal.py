@@ -22,6 +22,11 @@ zero-padded), ``h(j) = ((2j + 1) * 0x9E3779B1) mod 2**32``, the checksum is
 Every expected value below is computed here from these rules (struct, xxhash and a
 pure-Python ``wsum64``); the module is only called, never used to build an expectation.
 Format v1 (``TOSEAL\\x00\\x01``, zlib CRC-32) is obsolete: refused, named and counted.
+
+Keyed seals (section 8: algorithms 3 ``keyed_wsum64`` and 4 ``keyed_ghash64``, the key
+id in bytes 49-55, the checksum field a tag) are judged by
+``tests/helpers/keyed_seal_judge.py``, written from the docstrings of ``seal.py`` and
+``seal_key.py``; the attacks a key must stop are made here byte by byte.
 """
 
 from __future__ import annotations
@@ -35,7 +40,9 @@ import numpy as np
 import pytest
 import xxhash
 
+from tests.helpers import keyed_seal_judge as judge
 from triton_offload.transfer.seal import (
+    NO_KEY,
     SEAL_BYTES,
     SEAL_MAGIC,
     PageSealer,
@@ -51,6 +58,7 @@ from triton_offload.transfer.seal import (
     seal_problem,
     write_seal,
 )
+from triton_offload.transfer.seal_key import SealKey
 
 PAGE = 1024
 PAYLOAD = 700
@@ -624,3 +632,513 @@ def test_accepted_refuses_a_page_with_any_seal_byte_changed(offset: int) -> None
     pages[5, pages.shape[1] - SEAL_BYTES + offset] ^= 0x10
     assert sealer.accepted(rows, groups, keys, sums, "xxh3_64").tolist() == [True, False]
     assert sealer.accepted(rows, groups, None, sums, "xxh3_64").tolist() == [True, False]
+
+
+# --- 8. keyed seals -------------------------------------------------------------------
+
+KEYED = ["keyed_wsum64", "keyed_ghash64"]
+SECRET = bytes(range(100, 132))
+OTHER_SECRET = bytes(range(200, 232))
+PAYLOAD_MISMATCH_TEXT = "payload checksum mismatch"
+#: Payload lengths a keyed seal covers: empty, not multiples of 4, the whole room.
+KEYED_LENGTHS = [0, 1, 2, 3, 5, 6, 7, 8, 700, 957, PAGE - SEAL_BYTES]
+#: (page index, page count) of a row: the first of one, a middle one, the last of most.
+PLACES = [(0, 1), (1, 4), (65534, 65535)]
+KEY_DIGESTS = [NO_KEY, KEY, bytes(range(1, 9)), b"\xff" * 8]
+ATTACK_ROWS = 200
+ATTACK_PAYLOAD = [300, 957]  # by group
+
+
+def keyed_seal_of(
+    payload: bytes,
+    algorithm: str,
+    fmt: SealFormat = FMT,
+    key: bytes = KEY,
+    secret: bytes = SECRET,
+) -> bytes:
+    """What the judge says a keyed seal of ``payload`` is."""
+    return judge.expected_seal(
+        payload,
+        secret,
+        fmt.config_digest,
+        fmt.layout_digest,
+        key,
+        fmt.page_index,
+        fmt.page_count,
+        algorithm,
+    )
+
+
+def judged(
+    data: np.ndarray,
+    length: int,
+    secret: bytes | None,
+    key: bytes = KEY,
+    fmt: SealFormat = FMT,
+) -> bool:
+    """The judge's verdict on a page (``secret`` None: an engine without a key)."""
+    return judge.verdict(
+        data.tobytes(),
+        secret,
+        fmt.config_digest,
+        fmt.layout_digest,
+        key,
+        fmt.page_index,
+        fmt.page_count,
+        length,
+    )
+
+
+def rewritten(data: np.ndarray, **fields: object) -> np.ndarray:
+    """``data`` with seal fields changed (``"key"``, ``"config"``, ``"layout"``,
+    ``"length"``, ``"index"``, ``"count"``, ``"algorithm"``, ``"key_id"``, ``"checksum"``)
+    and a whole header check again: what an attacker without the key can write."""
+    seal = bytearray(data[-SEAL_BYTES:].tobytes())
+    spans = {
+        "config": (8, "8s"),
+        "layout": (16, "8s"),
+        "key": (24, "8s"),
+        "checksum": (32, "<Q"),
+        "length": (40, "<I"),
+        "index": (44, "<H"),
+        "count": (46, "<H"),
+        "algorithm": (48, "B"),
+        "key_id": (49, "7s"),
+    }
+    for name, value in fields.items():
+        offset, form = spans[name]
+        struct.pack_into(form, seal, offset, value)
+    out = data.copy()
+    out[-SEAL_BYTES:] = np.frombuffer(judge.with_header_check(bytes(seal[:56])), np.uint8)
+    return out
+
+
+def attack_pool(
+    algorithm: str, secret: bytes = SECRET, seed: int = 20
+) -> tuple[np.ndarray, PageSealer, np.ndarray, np.ndarray, list[bytes]]:
+    """``ATTACK_ROWS`` pages of a strided pool, each sealed by a keyed sealer in one
+    batch from the checksums ``page_checksums`` computed: (pages, sealer, rows, groups,
+    key digests)."""
+    region = page(seed, ATTACK_ROWS * 2 * PAGE).reshape(ATTACK_ROWS, 2 * PAGE)
+    pages = region[:, PAGE:]
+    sealer = PageSealer(pages, FMT, ATTACK_PAYLOAD, seal_key=SealKey(secret))
+    rows = np.arange(ATTACK_ROWS, dtype=np.int64)
+    groups = rows % 2
+    keys = [key_digest(f"chunk-{c}".encode()) for c in range(ATTACK_ROWS)]
+    lengths = np.array(ATTACK_PAYLOAD)[groups]
+    sums = page_checksums(pages, rows, lengths, algorithm, sealer.seal_key)
+    sealer.seal_pages(rows, groups, key_rows(keys), sums, algorithm)
+    return pages, sealer, rows, groups, keys
+
+
+def batch_verdicts(
+    sealer: PageSealer,
+    rows: np.ndarray,
+    groups: np.ndarray,
+    keys: list[bytes] | None,
+    algorithm: str,
+) -> tuple[list[str | None], list[str | None], list[bool]]:
+    """(header problems, header + payload problems, accepted) of a load of ``rows`` whose
+    copy computed the ``algorithm`` checksums of what it moved."""
+    key_array = None if keys is None else key_rows(keys)
+    headers, records = sealer.header_problems(rows, groups, key_array)
+    lengths = np.array(sealer.group_payload)[groups]
+    sums = page_checksums(sealer.pages, rows, lengths, algorithm, sealer.seal_key)
+    found = sealer.payload_problems(rows, records, list(headers), sums, algorithm)
+    accepted = sealer.accepted(rows, groups, key_array, sums, algorithm).tolist()
+    return list(headers), found, accepted
+
+
+def assert_all(found: list[str | None], phrase: str) -> None:
+    bad = [(i, f) for i, f in enumerate(found) if f is None or phrase not in f]
+    assert bad == [], bad[:5]
+
+
+# 8a. the sealed bytes are the judge's
+
+
+@pytest.mark.parametrize("algorithm", KEYED)
+@pytest.mark.parametrize("length", KEYED_LENGTHS)
+def test_write_seal_keyed_is_the_judge_s_record(algorithm: str, length: int) -> None:
+    seal_key = SealKey(SECRET)
+    for (index, count), key in zip(PLACES * 2, KEY_DIGESTS + KEY_DIGESTS[:2], strict=True):
+        fmt = SealFormat(CONFIG, LAYOUT, index, count)
+        data = page(length + index)
+        before = data.copy()
+        write_seal(data, length, fmt, key, algorithm=algorithm, seal_key=seal_key)
+        assert np.array_equal(data[: PAGE - SEAL_BYTES], before[: PAGE - SEAL_BYTES])
+        expected = keyed_seal_of(before[:length].tobytes(), algorithm, fmt, key)
+        assert data[PAGE - SEAL_BYTES :].tobytes() == expected, (index, count, key)
+        assert seal_problem(data, fmt, key, seal_key=seal_key) is None
+        assert judged(data, length, SECRET, key, fmt)
+
+        # The universal hash given as the checksum: the same record.
+        again = before.copy()
+        universal = judge.universal_hash(
+            before[:length].tobytes(), judge.subkeys(SECRET), algorithm
+        )
+        write_seal(
+            again, length, fmt, key, checksum=universal, algorithm=algorithm, seal_key=seal_key
+        )
+        assert np.array_equal(again, data)
+
+
+@pytest.mark.parametrize("algorithm", KEYED)
+def test_a_keyed_seal_reads_back_as_its_fields(algorithm: str) -> None:
+    data = page()
+    write_seal(data, PAYLOAD, FMT, KEY, algorithm=algorithm, seal_key=SealKey(SECRET))
+    seal = read_seal(data)
+    assert isinstance(seal, Seal), seal
+    expected = keyed_seal_of(data[:PAYLOAD].tobytes(), algorithm)
+    assert seal == Seal(
+        config_digest=CONFIG,
+        layout_digest=LAYOUT,
+        key_digest=KEY,
+        payload_bytes=PAYLOAD,
+        payload_checksum=struct.unpack_from("<Q", expected, 32)[0],
+        algorithm=algorithm,
+        page_index=1,
+        page_count=4,
+        key_id=judge.subkeys(SECRET).key_id,
+    )
+
+
+def test_the_keyed_sealer_seals_by_the_host_s_keyed_algorithm() -> None:
+    region, pages = strided_pool(30)
+    before = region.copy()
+    sealer = PageSealer(pages, FMT, GROUP_PAYLOAD, seal_key=SealKey(SECRET))
+    sealer.seal(2, 1, KEY)
+    sealer.seal(5, 0, key_digest(b"x"), algorithm="keyed_wsum64")
+    expected = before.copy()
+    expected[2, -SEAL_BYTES:] = np.frombuffer(
+        keyed_seal_of(before[2, PAGE : PAGE + 900].tobytes(), "keyed_ghash64"), np.uint8
+    )
+    expected[5, -SEAL_BYTES:] = np.frombuffer(
+        keyed_seal_of(before[5, PAGE : PAGE + 300].tobytes(), "keyed_wsum64", key=key_digest(b"x")),
+        np.uint8,
+    )
+    assert np.array_equal(region, expected)
+    assert sealer.problem(2, 1, KEY) is None
+    assert sealer.problem(5, 0, key_digest(b"x")) is None
+
+
+@pytest.mark.parametrize("algorithm", KEYED)
+@pytest.mark.parametrize("place", PLACES)
+def test_seal_pages_keyed_writes_the_judge_s_records(
+    algorithm: str, place: tuple[int, int]
+) -> None:
+    fmt = SealFormat(CONFIG, LAYOUT, *place)
+    group_payload = [0, 1, 3, 6, 301, 903, PAGE - SEAL_BYTES]
+    region = page(31, 9 * 2 * PAGE).reshape(9, 2 * PAGE)
+    pages = region[:, PAGE:]
+    before = region.copy()
+    sealer = PageSealer(pages, fmt, group_payload, seal_key=SealKey(SECRET))
+    chunks = np.array([8, 0, 3, 5, 1, 6, 2], dtype=np.int64)
+    groups = np.arange(7, dtype=np.int64)
+    keys = [KEY_DIGESTS[i % 4] for i in range(7)]
+    lengths = np.array(group_payload)[groups]
+    sums = page_checksums(pages, chunks, lengths, algorithm, sealer.seal_key)
+    sealer.seal_pages(chunks, groups, key_rows(keys), sums, algorithm)
+
+    expected = before.copy()
+    for c, g, k in zip(chunks.tolist(), groups.tolist(), keys, strict=True):
+        payload = before[c, PAGE : PAGE + group_payload[g]].tobytes()
+        expected[c, -SEAL_BYTES:] = np.frombuffer(
+            keyed_seal_of(payload, algorithm, fmt, k), np.uint8
+        )
+    assert np.array_equal(region, expected)
+    headers, found, accepted = batch_verdicts(sealer, chunks, groups, keys, algorithm)
+    assert headers == [None] * 7 and found == [None] * 7
+    assert accepted == [True] * 7
+
+
+# 8b. the attacks a key stops
+
+
+@pytest.mark.parametrize("forged_by", ["xxh3_64", "wsum64"])
+@pytest.mark.parametrize("algorithm", KEYED)
+def test_an_unkeyed_forgery_of_every_page_is_refused(algorithm: str, forged_by: str) -> None:
+    """An attacker without the key replaces every page's payload and writes a valid
+    unkeyed seal over it (the default algorithm, or wsum64): valid for an engine without
+    a key, a forgery for the keyed one, in every path."""
+    pages, sealer, rows, groups, keys = attack_pool(algorithm)
+    rng = np.random.default_rng(21)
+    for c, g in zip(rows.tolist(), groups.tolist(), strict=True):
+        length = ATTACK_PAYLOAD[g]
+        pages[c, :length] = rng.integers(0, 256, length, dtype=np.uint8)
+        if forged_by == "xxh3_64":
+            write_seal(pages[c], length, FMT, keys[c])  # the default: no key
+        else:
+            write_seal(pages[c], length, FMT, keys[c], algorithm="wsum64")
+
+    unkeyed = PageSealer(pages, FMT, ATTACK_PAYLOAD)
+    for c, g in zip(rows.tolist(), groups.tolist(), strict=True):
+        assert unkeyed.problem(c, g, keys[c]) is None, c  # a valid unkeyed seal
+        assert judged(pages[c], ATTACK_PAYLOAD[g], None, keys[c])
+        assert not judged(pages[c], ATTACK_PAYLOAD[g], SECRET, keys[c])
+        assert "forgery" in (sealer.problem(c, g, keys[c]) or ""), c
+        assert "forgery" in (sealer.problem(c, g, None) or ""), c
+    for given in (keys, None):
+        headers, found, accepted = batch_verdicts(sealer, rows, groups, given, algorithm)
+        assert_all(headers, "forgery")
+        assert_all(found, "forgery")
+        assert not any(accepted)
+
+
+@pytest.mark.parametrize("algorithm", KEYED)
+def test_changed_bytes_under_a_kept_keyed_seal_are_refused(algorithm: str) -> None:
+    pages, sealer, rows, groups, keys = attack_pool(algorithm)
+    rng = np.random.default_rng(22)
+    for c, g in zip(rows.tolist(), groups.tolist(), strict=True):
+        length = ATTACK_PAYLOAD[g]
+        at = int(rng.integers(0, length))
+        pages[c, at] ^= np.uint8(int(rng.integers(1, 256)))
+        assert PAYLOAD_MISMATCH_TEXT in (sealer.problem(c, g, keys[c]) or ""), c
+        assert not judged(pages[c], length, SECRET, keys[c])
+    headers, found, accepted = batch_verdicts(sealer, rows, groups, keys, algorithm)
+    assert headers == [None] * ATTACK_ROWS  # the header is whole
+    assert_all(found, PAYLOAD_MISMATCH_TEXT)
+    assert not any(accepted)
+
+
+@pytest.mark.parametrize("algorithm", KEYED)
+def test_pages_sealed_under_another_key_are_a_forgery(algorithm: str) -> None:
+    pages, _, rows, groups, keys = attack_pool(algorithm, secret=OTHER_SECRET)
+    sealer = PageSealer(pages, FMT, ATTACK_PAYLOAD, seal_key=SealKey(SECRET))
+    for c, g in zip(rows.tolist()[:20], groups.tolist()[:20], strict=True):
+        assert "forgery" in (sealer.problem(c, g, keys[c]) or ""), c
+        assert "another seal key" in (sealer.problem(c, g, keys[c]) or ""), c
+        assert judged(pages[c], ATTACK_PAYLOAD[g], OTHER_SECRET, keys[c])
+        assert not judged(pages[c], ATTACK_PAYLOAD[g], SECRET, keys[c])
+    headers, found, accepted = batch_verdicts(sealer, rows, groups, keys, algorithm)
+    assert_all(headers, "forgery")
+    assert_all(found, "forgery")
+    assert not any(accepted)
+
+
+@pytest.mark.parametrize("algorithm", KEYED)
+def test_keyed_pages_are_refused_by_an_engine_without_the_key(algorithm: str) -> None:
+    pages, _, rows, groups, keys = attack_pool(algorithm)
+    unkeyed = PageSealer(pages, FMT, ATTACK_PAYLOAD)
+    for c, g in zip(rows.tolist()[:20], groups.tolist()[:20], strict=True):
+        assert "no seal key" in (unkeyed.problem(c, g, keys[c]) or ""), c
+        assert "no seal key" in (seal_problem(pages[c], FMT, keys[c]) or ""), c
+        assert "no seal key" in (seal_problem(pages[c], FMT, keys[c], check_payload=False) or "")
+        assert not judged(pages[c], ATTACK_PAYLOAD[g], None, keys[c])
+    headers, _ = unkeyed.header_problems(rows, groups, key_rows(keys))
+    assert_all(list(headers), "no seal key")
+    sums = page_checksums(pages, rows, np.array(ATTACK_PAYLOAD)[groups], "xxh3_64")
+    assert not unkeyed.accepted(rows, groups, key_rows(keys), sums, "xxh3_64").any()
+
+
+@pytest.mark.parametrize("algorithm", KEYED)
+def test_the_same_key_from_the_same_bytes_accepts_every_untouched_page(algorithm: str) -> None:
+    pages, _, rows, groups, keys = attack_pool(algorithm)
+    again = PageSealer(pages, FMT, ATTACK_PAYLOAD, seal_key=SealKey(bytes(SECRET)))
+    for c, g in zip(rows.tolist(), groups.tolist(), strict=True):
+        assert again.problem(c, g, keys[c]) is None, c
+        assert judged(pages[c], ATTACK_PAYLOAD[g], SECRET, keys[c]), c
+    for given in (keys, None):
+        headers, found, accepted = batch_verdicts(again, rows, groups, given, algorithm)
+        assert headers == [None] * ATTACK_ROWS
+        assert found == [None] * ATTACK_ROWS
+        assert accepted == [True] * ATTACK_ROWS
+    # Checksums of the other keyed algorithm: every page checked on the host, all fine.
+    other = KEYED[1 - KEYED.index(algorithm)]
+    before = again.host_checked_pages
+    _, found, accepted = batch_verdicts(again, rows, groups, keys, other)
+    assert found == [None] * ATTACK_ROWS
+    assert again.host_checked_pages == before + ATTACK_ROWS
+    assert not any(accepted)  # accepted compares seals by the load's algorithm only
+
+
+@pytest.mark.parametrize("algorithm", KEYED)
+def test_two_chunks_swapped_between_their_keys_are_refused(algorithm: str) -> None:
+    """Page and seal of chunk A moved under chunk B's key and back: refused by the key
+    digest; with the key digest rewritten (header check made whole), refused by the tag,
+    which binds the key digest."""
+    pages, sealer, _, _, keys = attack_pool(algorithm)
+    a, b = 0, 2  # both of group 0
+    pages[[a, b]] = pages[[b, a]]
+    for chunk, wanted in ((a, keys[a]), (b, keys[b])):
+        assert "another key's chunk" in (sealer.problem(chunk, 0, wanted) or "")
+    original = {a: keys[b], b: keys[a]}  # what each now holds
+    for chunk, wanted in ((a, keys[a]), (b, keys[b])):
+        assert sealer.problem(chunk, 0, original[chunk]) is None  # whole, as the other chunk
+        pages[chunk] = rewritten(pages[chunk], key=wanted)
+        assert PAYLOAD_MISMATCH_TEXT in (sealer.problem(chunk, 0, wanted) or ""), chunk
+        assert not judged(pages[chunk], ATTACK_PAYLOAD[0], SECRET, wanted)
+    _, found, accepted = batch_verdicts(
+        sealer, np.array([a, b]), np.array([0, 0]), [keys[a], keys[b]], algorithm
+    )
+    assert_all(found, PAYLOAD_MISMATCH_TEXT)
+    assert accepted == [False, False]
+
+
+@pytest.mark.parametrize("algorithm", KEYED)
+def test_a_page_moved_to_another_place_or_format_is_refused(algorithm: str) -> None:
+    """The tag binds the page's place in its row, both format digests, the payload
+    length and the algorithm: each rewritten (header check made whole) is refused."""
+    seal_key = SealKey(SECRET)
+    data = page(40)
+    write_seal(data, PAYLOAD, FMT, KEY, algorithm=algorithm, seal_key=seal_key)
+    assert seal_problem(data, FMT, KEY, seal_key=seal_key) is None
+    moved = SealFormat(CONFIG, LAYOUT, 2, 4)
+    assert "belongs" in (seal_problem(data, moved, KEY, seal_key=seal_key) or "")
+    rewrites: list[tuple[SealFormat, dict[str, object]]] = [
+        (moved, {"index": 2}),
+        (SealFormat(CONFIG, LAYOUT, 1, 5), {"count": 5}),
+        (SealFormat(b"config\x00\x02", LAYOUT, 1, 4), {"config": b"config\x00\x02"}),
+        (SealFormat(CONFIG, b"layout\x00\x02", 1, 4), {"layout": b"layout\x00\x02"}),
+        (FMT, {"length": PAYLOAD - 1}),
+        (FMT, {"algorithm": judge.ALGORITHM_IDS[KEYED[1 - KEYED.index(algorithm)]]}),
+    ]
+    for fmt, fields in rewrites:
+        forged = rewritten(data, **fields)
+        assert isinstance(read_seal(forged), Seal), fields  # a whole header
+        found = seal_problem(forged, fmt, KEY, seal_key=seal_key)
+        assert found is not None and PAYLOAD_MISMATCH_TEXT in found, (fields, found)
+        length = PAYLOAD - 1 if "length" in fields else PAYLOAD
+        assert not judged(forged, length, SECRET, KEY, fmt), fields
+    # The page's own place and key, in a sealer of that place: accepted, moved: refused.
+    pool = np.stack([data, data])
+    assert PageSealer(pool, FMT, [PAYLOAD], seal_key=seal_key).problem(0, 0, KEY) is None
+    assert "belongs" in (
+        PageSealer(pool, moved, [PAYLOAD], seal_key=seal_key).problem(0, 0, KEY) or ""
+    )
+
+
+@pytest.mark.parametrize("algorithm", KEYED)
+def test_a_keyed_looking_forgery_with_the_key_id_copied_is_refused(algorithm: str) -> None:
+    """An attacker copies a keyed seal's key id (it is public) onto new bytes and guesses
+    a tag: the header is whole and names the key, the tag is wrong."""
+    seal_key = SealKey(SECRET)
+    data = page(41)
+    write_seal(data, PAYLOAD, FMT, KEY, algorithm=algorithm, seal_key=seal_key)
+    data[:PAYLOAD] = page(42)[:PAYLOAD]
+    for guess in (
+        xxhash.xxh3_64_intdigest(data[:PAYLOAD].tobytes()),
+        wsum64(data[:PAYLOAD].tobytes()),
+        0,
+    ):
+        forged = rewritten(data, checksum=guess)
+        assert PAYLOAD_MISMATCH_TEXT in (seal_problem(forged, FMT, KEY, seal_key=seal_key) or "")
+        assert not judged(forged, PAYLOAD, SECRET)
+
+
+# 8c. properties of the tag
+
+
+@pytest.mark.parametrize("algorithm", KEYED)
+def test_every_sampled_single_bit_flip_of_the_payload_is_refused(algorithm: str) -> None:
+    seal_key = SealKey(SECRET)
+    data = page(43)
+    write_seal(data, PAYLOAD, FMT, KEY, algorithm=algorithm, seal_key=seal_key)
+    assert judged(data, PAYLOAD, SECRET)
+    bits = np.random.default_rng(44).choice(PAYLOAD * 8, size=64, replace=False).tolist()
+    bits[:3] = [0, PAYLOAD * 8 - 1, 8 * (PAYLOAD // 2) + 7]  # both ends and a high bit
+    for bit in bits:
+        data[bit // 8] ^= np.uint8(1 << (bit % 8))
+        found = seal_problem(data, FMT, KEY, seal_key=seal_key)
+        assert found is not None and PAYLOAD_MISMATCH_TEXT in found, bit
+        assert not judged(data, PAYLOAD, SECRET), bit
+        data[bit // 8] ^= np.uint8(1 << (bit % 8))
+    assert seal_problem(data, FMT, KEY, seal_key=seal_key) is None
+
+
+@pytest.mark.parametrize("algorithm", KEYED)
+def test_any_changed_keyed_seal_byte_is_refused(algorithm: str) -> None:
+    _, pages = strided_pool(45)
+    sealer = PageSealer(pages, FMT, GROUP_PAYLOAD, seal_key=SealKey(SECRET))
+    rows, groups = np.array([2, 5], dtype=np.int64), np.array([0, 1], dtype=np.int64)
+    keys = [key_digest(b"x"), key_digest(b"y")]
+    sums = page_checksums(pages, rows, np.array(GROUP_PAYLOAD), algorithm, sealer.seal_key)
+    sealer.seal_pages(rows, groups, key_rows(keys), sums, algorithm)
+    sealed_page = pages[5].copy()
+    for offset in range(SEAL_BYTES):
+        pages[5] = sealed_page
+        pages[5, PAGE - SEAL_BYTES + offset] ^= 0x10
+        assert sealer.accepted(rows, groups, key_rows(keys), sums, algorithm).tolist() == [
+            True,
+            False,
+        ], offset
+        assert sealer.problem(5, 1, keys[1]) is not None, offset
+
+
+def test_the_universal_hash_is_never_stored() -> None:
+    """The checksum field holds the tag, not the payload's universal hash."""
+    seal_key = SealKey(SECRET)
+    keys = judge.subkeys(SECRET)
+    for algorithm in KEYED:
+        data = page(46)
+        write_seal(data, PAYLOAD, FMT, KEY, algorithm=algorithm, seal_key=seal_key)
+        stored = data[-SEAL_BYTES:].tobytes()
+        universal = judge.universal_hash(data[:PAYLOAD].tobytes(), keys, algorithm)
+        assert struct.pack("<Q", universal) not in stored
+        assert struct.pack(">Q", universal) not in stored
+
+
+# 8d. the counters' reason
+
+
+def test_the_counters_name_keyed_refusals() -> None:
+    pytest.importorskip("vllm")
+    from triton_offload.vllm.counters import refusal_reason
+
+    seal_key = SealKey(SECRET)
+    data = page(47)
+    write_seal(data, PAYLOAD, FMT, KEY, algorithm="keyed_ghash64", seal_key=seal_key)
+    other = page(47)
+    write_seal(other, PAYLOAD, FMT, KEY, algorithm="keyed_ghash64", seal_key=SealKey(OTHER_SECRET))
+    unkeyed = page(47)
+    write_seal(unkeyed, PAYLOAD, FMT, KEY)
+    changed = data.copy()
+    changed[0] ^= 1
+
+    def problem(page_: np.ndarray, key: SealKey | None) -> str:
+        found = seal_problem(page_, FMT, KEY, seal_key=key)
+        assert found is not None
+        return found
+
+    assert refusal_reason(problem(unkeyed, seal_key)) == "forgery"
+    assert refusal_reason(problem(other, seal_key)) == "forgery"
+    assert refusal_reason(problem(data, None)) == "keyed"
+    assert refusal_reason(problem(changed, seal_key)) == "checksum"
+
+
+# 8e. keyed arguments
+
+
+def test_keyed_algorithms_need_the_key_and_a_key_needs_them() -> None:
+    data = page()
+    for algorithm in KEYED:
+        with pytest.raises(ValueError, match="seal key"):
+            write_seal(data, PAYLOAD, FMT, KEY, algorithm=algorithm)
+        with pytest.raises(ValueError, match="seal key"):
+            page_checksum(data[:PAYLOAD], algorithm)
+        with pytest.raises(ValueError, match="seal key"):
+            page_checksums(data.reshape(1, -1), np.array([0]), np.array([PAYLOAD]), algorithm)
+    with pytest.raises(TypeError, match="SealKey"):
+        PageSealer(np.zeros((2, PAGE), np.uint8), FMT, [10], seal_key=SECRET)  # type: ignore[arg-type]
+    _, pages = strided_pool()
+    keyed = PageSealer(pages, FMT, GROUP_PAYLOAD, seal_key=SealKey(SECRET))
+    unkeyed = PageSealer(pages, FMT, GROUP_PAYLOAD)
+    one = (np.array([0]), np.array([0]), key_rows([KEY]), np.array([1], np.uint64))
+    with pytest.raises(ValueError, match="keyed sealer"):
+        keyed.seal_pages(*one, "xxh3_64")
+    with pytest.raises(ValueError, match="keyed sealer"):
+        unkeyed.seal_pages(*one, "keyed_ghash64")
+
+
+@pytest.mark.parametrize("algorithm", ["xxh3_64", "wsum64"])
+def test_a_keyed_sealer_never_writes_a_seal_it_refuses(algorithm: str) -> None:
+    """``PageSealer``: "With a key, pages are sealed with its tags and only its seals are
+    accepted"; ``seal_pages`` refuses an unkeyed algorithm (ValueError). ``seal`` must
+    too, or seal with the key: a page a keyed sealer seals is one it accepts."""
+    _, pages = strided_pool(48)
+    sealer = PageSealer(pages, FMT, GROUP_PAYLOAD, seal_key=SealKey(SECRET))
+    try:
+        sealer.seal(1, 0, KEY, algorithm=algorithm)
+    except ValueError:
+        return
+    assert sealer.problem(1, 0, KEY) is None, read_seal(pages[1])

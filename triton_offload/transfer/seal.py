@@ -16,7 +16,8 @@ offset bytes field
              group, row layout version); only a worker can compute it
 24     8     key digest: XXH3-64 of the chunk's offload key (zero when stored without one)
 32     8     payload checksum (u64): :func:`page_checksum` of the payload, by the
-             algorithm at offset 48
+             algorithm at offset 48; in a keyed seal the tag over the page's identity
+             and that keyed checksum (which is never stored)
 40     4     payload length: bytes of the page the checksum covers (the group's row)
 44     2     page index (this worker's page of the row) and 46 2: page count
 48     1     checksum algorithm: 1 ``wsum64``, 2 ``xxh3_64``; keyed: 3
@@ -27,12 +28,13 @@ offset bytes field
              a wrong payload)
 ====== ===== ==========================================================================
 
-Two algorithms, each defined once in :func:`page_checksum`, because the bytes flow
-through two kinds of machine. On CUDA (and under the Triton interpreter) the copy
-kernel, or a device pass beside a DMA copy, computes ``wsum64`` of the bytes while they
-are in registers: no extra PCIe or HBM traffic and no host byte read. A weighted sum is
-what a kernel can build from per-tile partial sums in any order; a host CPU without
-AVX-512 computes it at ~3.4 GB/s, slower than the copy. On the CPU path the host
+Two unkeyed algorithms (and their two keyed forms), each defined once in
+:func:`page_checksum`, because the bytes flow through two kinds of machine. On CUDA (and
+under the Triton interpreter) the copy kernel, or a device pass beside a DMA copy,
+computes ``wsum64`` of the bytes while they are in registers: no extra PCIe or HBM
+traffic and no host byte read. A weighted sum is what a kernel can build from per-tile
+partial sums in any order; a host CPU without AVX-512 computes it at ~3.4 GB/s, slower
+than the copy. On the CPU path the host
 hashes the page itself with XXH3-64 (12-30 GB/s per core here, faster than the copy).
 The seal names its algorithm, so every reader can check every page: a worker whose path
 computes the other algorithm checks that page on the host (counted, logged), and the
@@ -407,6 +409,11 @@ def seal_records(
     number = _check_algorithm(algorithm)
     if algorithm in KEYED_ALGORITHMS:
         _needed_key(algorithm, seal_key)
+    elif seal_key is not None:
+        raise ValueError(
+            f"checksum algorithm {algorithm!r} is unkeyed: with a seal key, seal with "
+            f"{sorted(KEYED_ALGORITHMS)} (an unkeyed seal is refused as a forgery)"
+        )
     records = np.zeros(count, dtype=RECORD)
     records["magic"] = SEAL_MAGIC
     records["config"] = fmt.config_digest
@@ -465,7 +472,9 @@ def _record_problems(records: np.ndarray, zero: np.ndarray) -> list[str | None]:
     own = magic == SEAL_MAGIC
     checked = own & (header_checks(records) == records["check"])
     known = np.isin(records["algorithm"], list(ALGORITHM_NAMES))
-    for i in np.flatnonzero(~(checked & known)).tolist():
+    # An unkeyed seal's key id bytes are zero: set ones make it no well-formed seal.
+    stray = ~np.isin(records["algorithm"], _keyed_numbers()) & (records["key_id"] != b"")
+    for i in np.flatnonzero(~(checked & known) | stray).tolist():
         raw = bytes(records[i]["magic"]).ljust(8, b"\0")
         if zero[i]:
             problems[i] = "no seal (the record is all zero bytes: never stored, or a short file)"
@@ -480,8 +489,10 @@ def _record_problems(records: np.ndarray, zero: np.ndarray) -> list[str | None]:
             problems[i] = f"no seal (magic {bytes(raw)!r}, expected {SEAL_MAGIC!r})"
         elif not checked[i]:
             problems[i] = "damaged seal (its header check does not match)"
-        else:
+        elif not known[i]:
             problems[i] = f"unknown checksum algorithm id {int(records[i]['algorithm'])}"
+        else:
+            problems[i] = "damaged seal (an unkeyed seal with key id bytes set)"
     return problems
 
 

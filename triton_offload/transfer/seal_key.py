@@ -20,14 +20,16 @@ two steps so that the pass over the payload stays where the bytes move:
      over GF(2**128) (collision probability at most ``(L/16 + 1) * 2**-64`` for an
      ``L``-byte payload, truncated to 64 bits), at ~22 GB/s on one core with AES-NI.
 
-2. **A PRF over the chunk's identity and that hash**: AES-256 CBC-MAC with the tag
-   subkey over exactly three 16-byte blocks (fixed length, so CBC-MAC is a PRF),
-   ``config digest | layout digest``, ``key digest | length, page index, page count``,
-   ``algorithm id, key id | universal hash`` (seal bytes 8-31, 40-55 and the 8-byte
-   hash); the tag is the first 8 bytes of the result. The hash is never stored, so a
-   reader of the tier learns nothing about the weights or the GHASH subkey; a chunk's
-   tag binds its key digest, configuration, row layout and place in the row, so a valid
-   chunk under another key's name or configuration fails.
+2. **A PRF over the chunk's identity and that hash**: AES-256 CBC-MAC (zero IV) with
+   the tag subkey over exactly three 16-byte blocks (fixed length, so CBC-MAC is a PRF):
+   seal bytes 8-23 (``config digest | layout digest``), bytes 24-31 and 40-47 (``key
+   digest | length, page index, page count``), bytes 48-55 (``algorithm id, key id``)
+   followed by the universal hash as 8 little-endian bytes; the tag is the first 8 bytes
+   of the last block's encryption, stored little-endian as the seal's u64 at offset 32.
+   The hash is never stored, so a reader of the tier learns nothing about the weights
+   or the GHASH subkey; a chunk's tag binds its key digest, configuration, row layout
+   and place in the row, so a valid chunk under another key's name or configuration
+   fails.
 
 A keyed seal names its algorithm (3 or 4) and carries the key's 7-byte *key id* in
 bytes 49-55 (zero in unkeyed seals): a chunk sealed under another key is told apart from
@@ -38,9 +40,12 @@ What a key does not stop: replaying a chunk that was once validly sealed under t
 key, chunk key and configuration (its tag is still valid), and anything done by a holder
 of the key. Distributing the key is the operator's job (docs/verification.md).
 
-Subkeys come from the key file's bytes by keyed BLAKE2b, one per use, so no subkey is
-used for two things: ``tag`` (AES-256), ``ghash`` (AES-256), ``weights`` (SHAKE-256 seed),
-``key id``.
+Subkeys come from the key file's bytes, one per use, so no subkey is used for two
+things: ``root = BLAKE2b-256(secret, person=b"triton-offload")`` (the file may be longer
+than a BLAKE2b key), then ``BLAKE2b-256(label, key=root)`` for the labels
+``b"seal tag prf"`` (the AES-256 tag key), ``b"seal ghash"`` (the AES-256 GHASH key),
+``b"seal weights"`` (the SHAKE-256 input of the weights) and ``b"seal key id"`` (its first
+7 bytes are the key id).
 """
 
 from __future__ import annotations
@@ -98,19 +103,23 @@ class SealKey:
         #: Names the key in every seal it makes (reveals nothing about the key).
         self.key_id = derive(b"seal key id")[:KEY_ID_BYTES]
         self._weights = np.zeros(0, dtype=np.uint64)
+        self._weights.flags.writeable = False
         self._weights_lock = threading.Lock()
         AESGCM, _, _, _ = _cryptography()
         self._gcm = AESGCM(self._ghash_key)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str], what: str = "seal_key_file") -> SealKey:
-        """The key in ``path``: a regular file of :data:`MIN_KEY_BYTES` or more bytes,
-        owned by this process's user and neither group- nor world-accessible (a key
+        """The key in ``path``: a regular file of :data:`MIN_KEY_BYTES` to
+        :data:`MAX_KEY_BYTES` bytes, not a symlink, owned by this process's user and
+        neither group- nor world-accessible (a key
         others can read lets them forge; one others can write lets them choose it).
         ValueError names the file and what is wrong."""
         name = os.fspath(path)
         try:
-            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            # Non-blocking: a FIFO under the key's name must not wait for a writer (it is
+            # refused as no regular file right after).
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except FileNotFoundError:
             raise ValueError(f"{what} {name!r} does not exist") from None
         except OSError as error:

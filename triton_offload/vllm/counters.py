@@ -54,8 +54,9 @@ VERIFY_SECONDS = PREFIX + "verify_seconds"
 
 #: Why a chunk was refused: the seal's verdict in one word (``read``: a secondary tier
 #: failed to read it back; ``forgery``: not sealed under the engine's seal key, unkeyed
-#: seals included; ``keyed``: sealed under a key, and this engine has none; ``other``: a
-#: problem this list does not know yet).
+#: seals included (a forged keyed seal that copies the key id fails its tag, and counts
+#: as ``checksum``, as damaged bytes do); ``keyed``: sealed under a key, and this engine
+#: has none; ``other``: a problem this list does not know yet).
 REASONS = (
     "checksum",
     "forgery",
