@@ -114,7 +114,7 @@ class Runs:
         }
         self.records: dict[str, dict[str, Any] | AssertionError] = {}
 
-    def server(self, name: str, config: dict[str, Any]) -> Server:
+    def server(self, name: str, config: dict[str, Any], *more: str) -> Server:
         args = [
             self.model,
             "--served-model-name",
@@ -131,6 +131,7 @@ class Runs:
             "2048",
             "--seed",
             "0",
+            *more,
         ]
         return Server(self.root, name, args, self.env)
 
@@ -419,3 +420,32 @@ def test_every_metric_the_dashboard_queries_is_on_the_servers_metrics(runs: Runs
     queried = {name for expr in exprs for name in re.findall(r"\bvllm:[a-z_:]+", expr)}
     assert queried, "the dashboard queries no vllm: metric"
     assert sorted(queried - exposed) == []
+
+
+@pytest.mark.slow
+def test_a_capacity_that_holds_no_chunk_is_refused_before_the_model_loads(runs: Runs) -> None:
+    """A ``cpu_bytes_to_use`` below one chunk of this (plain attention) model is refused
+    from its configuration while vLLM builds it, before ``Starting to load model``, naming
+    the least that holds a chunk: the same line, byte for byte, as the spec's refusal
+    after the model loaded (with ``--disable-hybrid-kv-cache-manager`` vLLM 0.33 looks no
+    connector class up before the model loads, so only the spec's check runs there)."""
+    config = served_config(cpu_bytes_to_use=4096)
+    lines = {}
+    for name, more in (("early", ()), ("late", ("--disable-hybrid-kv-cache-manager",))):
+        server = runs.server(f"capacity-{name}", config, *more)
+        try:
+            status = server.start().wait_exit()
+        finally:
+            server.kill_tree()
+        log = server.log()
+        assert status != 0
+        found = [line for line in log.splitlines() if "holds no chunk: one chunk takes" in line]
+        assert found, "\n".join(_tail(log, 20))
+        start = found[-1].index("kv_connector_extra_config['cpu_bytes_to_use'] 4096")
+        lines[name] = found[-1][start:].split(" [type=")[0]
+        if name == "early":
+            assert "Starting to load model" not in log
+            assert any("holds no chunk" in line for line in _tail(log, 5))
+        else:
+            assert "Starting to load model" in log
+    assert lines["early"] == lines["late"], lines

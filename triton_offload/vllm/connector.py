@@ -34,6 +34,7 @@ from typing import Any
 from triton_offload.planner.groups import GroupKind
 from triton_offload.planner.lookup import hit_end_problem
 from triton_offload.planner.plan import OffloadPlan
+from triton_offload.vllm.capacity import building_vllm_config, check_capacity_before_load
 from triton_offload.vllm.checkpoint import SERVED_REVISION, ModelRevision
 from triton_offload.vllm.compat import (
     CONNECTOR_NAME,
@@ -629,6 +630,13 @@ class TritonOffloadingConnectorWorker(OffloadingConnectorWorker):  # type: ignor
         return meta
 
 
+def _region_alignment() -> int:
+    """The alignment of a chunk row in vLLM's shared region (vLLM's CPU spec's)."""
+    from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+
+    return int(CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT)
+
+
 class TritonOffloadingConnector(RELEASE.ConnectorClassHooks, OffloadingConnector):  # type: ignore[misc,name-defined]
     """vLLM's ``OffloadingConnector`` with spans cross-checked and planned lookups.
 
@@ -653,6 +661,11 @@ class TritonOffloadingConnector(RELEASE.ConnectorClassHooks, OffloadingConnector
         spec_name = extra.get("spec_name", SPEC_NAME) if isinstance(extra, Mapping) else SPEC_NAME
         if spec_name in OWN_SPECS:
             check_extra_config(extra, spec_name)
+            # The model is described by now (its layers, heads, dtype): a capacity that
+            # holds no chunk of a plain attention model is refused before it loads.
+            vllm_config = building_vllm_config()
+            if vllm_config is not None:
+                check_capacity_before_load(extra, vllm_config, _region_alignment())
 
     @classmethod
     def on_class_lookup(cls) -> None:

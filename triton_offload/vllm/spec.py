@@ -89,6 +89,7 @@ from triton_offload.transfer.seal import (
 )
 from triton_offload.transfer.selection import describe_paths
 from triton_offload.vllm.canonical import canonical_cache_layout
+from triton_offload.vllm.capacity import ChunkRow, no_chunk_message
 from triton_offload.vllm.checkpoint import SERVED_REVISION, checkpoint_identity
 from triton_offload.vllm.compat import (
     SPEC_NAME,
@@ -564,17 +565,15 @@ class TritonWorkerSide:
         included, rounded up to the region's alignment)."""
         if self.num_chunks >= 1 or self.config.worker_kv_bytes_per_block <= 0:
             return  # a worker without KV bytes maps nothing (vLLM counts no chunk there)
-        copies = 1 if self.replicated_layout else int(self.config.parallel.world_size)
-        seals = f" + a {SEAL_BYTES}-byte seal" if self.sealed_pages else ""
-        raise ValueError(
-            f"kv_connector_extra_config['cpu_bytes_to_use'] "
-            f"{self.extra_config.get('cpu_bytes_to_use')} holds no chunk: one chunk takes "
-            f"{self.kv_bytes_per_chunk} bytes ({copies} worker page(s) of "
-            f"{self.blocks_per_chunk} blocks x {self.config.worker_kv_bytes_per_block} "
-            f"bytes{seals} each, the row rounded up to {self.BLOCK_SIZE_ALIGNMENT} bytes); "
-            f"give at least {self.kv_bytes_per_chunk} (one chunk), and many times that to "
-            "hold whole prompts"
+        row = ChunkRow(
+            copies=1 if self.replicated_layout else int(self.config.parallel.world_size),
+            blocks_per_chunk=int(self.blocks_per_chunk),
+            block_bytes=int(self.config.worker_kv_bytes_per_block),
+            sealed=self.sealed_pages,
+            alignment=int(self.BLOCK_SIZE_ALIGNMENT),
         )
+        assert row.row_bytes == self.kv_bytes_per_chunk, (row, self.kv_bytes_per_chunk)
+        raise ValueError(no_chunk_message(self.extra_config.get("cpu_bytes_to_use"), row))
 
     def _planes_note_for(self, kv_caches: Any, layout: CacheLayout | None) -> str | None:
         """Under the tiering spec, this worker's planes as the scheduler names the tiers'
