@@ -41,6 +41,12 @@ add, in any order, and bytes no item moves count as zero. The kernel computes it
 bytes it already holds in registers for the copy (no extra PCIe or HBM traffic), and a
 ``write=False`` launch computes it without storing anything (a checksum of either side
 alone: the GPU blocks beside a DMA copy, or pool slots a job does not move).
+
+Keyed page sums (``launch_copy(..., page_weights=...)``): ``keyed_wsum64`` is the same
+sum with ``h(j)`` replaced by ``r_j``, word ``j``'s entry of a secret table of uint64
+weights (``page_weights``, int64 bits, one per word of the longest page; built from a
+seal key by :mod:`triton_offload.transfer.seal_key`): ``sum_j w_j * r_j mod 2**64``.
+Every page reads the same table; a weight is loaded only for a word the item moves.
 """
 
 from __future__ import annotations
@@ -80,15 +86,17 @@ NUM_WARPS = 4
 
 
 def _launch_options(
-    tile_bytes: int, *, checksum: bool = False, write: bool = True
+    tile_bytes: int, *, checksum: bool = False, write: bool = True, keyed: bool = False
 ) -> dict[str, int | bool]:
     """Options of a launch whose tables were cut at ``tile_bytes``: shared by launch_copy
     and warm_up, so that the kernel warm_up compiles is the one jobs run. The tile size
     travels with the tables (``CopyTables.tile_bytes``): a kernel compiled for 8 KiB
     lanes copies only the first 8 KiB of a 16 KiB item (the grid sweep's check once found
     32,628 of 205,280 pool bytes wrong that way at 16 KiB tiles). ``checksum``/``write``
-    pick the kernel's CHECKSUM/WRITE variant; a plain copy passes neither, so it binds
-    exactly as the kernel did before they existed."""
+    pick the kernel's CHECKSUM/WRITE variant, ``keyed`` (with ``checksum``) its KEYED
+    one; a plain copy passes none, and an unkeyed checksum no KEYED, so each binds exactly
+    as the kernel did before the later options existed."""
+    assert checksum or not keyed, "keyed is a kind of checksum"
     options: dict[str, int | bool] = {
         "TILE_BYTES": tile_bytes,
         "NARROW_BYTES": NARROW_BYTES,
@@ -96,6 +104,8 @@ def _launch_options(
     }
     if checksum or not write:
         options.update(CHECKSUM=checksum, WRITE=write)
+    if keyed:
+        options.update(KEYED=True)
     return options
 
 
@@ -119,15 +129,20 @@ PCIE_IN_FLIGHT_TARGET_BYTES = 256 * 1024
 # in brackets the registers two programs hold: sm_90 allocates per warp in units of 256,
 # i.e. per thread rounded up to a multiple of 8, x 128 threads x 2 programs):
 #
-#   tile      plain         checksum       read-only checksum
-#   4 KiB     64 (16 K)     80 (20 K)      72 (18 K)
-#   8 KiB     71 (18 K)     80 (20 K)      80 (20 K)     <- TILE_BYTES, every variant
-#   16 KiB    93 (24 K)     128 (32 K)     122 (32 K)
+#   tile     plain       checksum     read-only    keyed        keyed read-only
+#   4 KiB    64 (16 K)   80 (20 K)    72 (18 K)    112 (28 K)   80 (20 K)
+#   8 KiB    71 (18 K)   80 (20 K)    80 (20 K)    128 (32 K)   96 (24 K)   <- TILE_BYTES
+#   16 KiB   93 (24 K)   128 (32 K)   122 (32 K)   168 (42 K)   164 (42 K)
 #
-# Every variant at the default tile keeps under a third of the file; at 16 KiB tiles
-# (a grid-sweep point only) both checksum variants take the half-file budget exactly
-# (122 rounds up to 128): a grid that picks 16 KiB must be judged with checksums off,
-# and four programs per SM would break the budget at any tile.
+# (The keyed columns: ``ptxas -v`` on the PTX of the keyed variants as warm_up binds
+# them, tests/kernels/test_copy_blocks_ptx.py's compile; kernel_resources does not list
+# them.) Every unkeyed variant at the default tile keeps under a third of the file. The
+# keyed copy holds each lane's 64-bit weight beside its data word (16 data + 32 weight
+# registers on the 16-byte path) and takes the half-file budget exactly at the default
+# tile; its read-only pass 3/8. At 16 KiB tiles (a grid-sweep point only) both unkeyed
+# checksum variants take the half-file budget exactly (122 rounds up to 128) and the keyed
+# ones exceed it: a grid that picks 16 KiB must be judged with checksums off, and four
+# programs per SM would break the budget at any tile.
 MAX_PROGRAMS_PER_SM = 2
 # The interpreter runs programs one after another; a few programs still exercise the
 # grid-stride walk (items owned by several programs, group boundaries mid-stride).
@@ -185,29 +200,53 @@ def _wide_lanes(n_words, LANES: tl.constexpr):
 
 
 @triton.jit
-def _word_sums(data, word_index):
-    """wsum64 contributions (uint64, wrapping) of int32 words ``data`` at page word indices
-    ``word_index`` (uint32, same shape; only ``j mod 2**31`` matters): ``w * h(j)``, one
-    32x32->64-bit product per word."""
-    weight = (word_index * 2 + 1) * 0x9E3779B1  # h(j) (WSUM_MULTIPLIER), wraps mod 2**32
-    return data.to(tl.uint32, bitcast=True).to(tl.uint64) * weight.to(tl.uint64)
+def _word_sums(data, weight):
+    """Page-sum contributions (uint64, wrapping) of int32 words ``data``: ``w * weight``,
+    ``weight`` (uint64, same shape) the words' weights."""
+    return data.to(tl.uint32, bitcast=True).to(tl.uint64) * weight
 
 
 @triton.jit
-def _lane_sums(data, first_offset, lanes):
-    """wsum64 contribution (uint64 scalar) of int32 lanes ``data`` ``[words, k]``: lane
+def _hash_weights(word_index):
+    """``h(j)`` (uint64) of page word indices ``word_index`` (uint32; only ``j mod 2**31``
+    matters): below 2**32, so ``w * h(j)`` is one 32x32->64-bit product per word."""
+    return ((word_index * 2 + 1) * 0x9E3779B1).to(tl.uint64)  # WSUM_MULTIPLIER, wraps
+
+
+@triton.jit
+def _keyed_weights(weights_ptr, words, mask):
+    """``r_j`` (uint64 bits of the int64 table) of the words ``weights_ptr + words``.
+
+    Masked lanes load nothing and weigh 0: a lane past an item's last byte may name a
+    word past the table's end. No eviction hint: every page re-reads the same table, so
+    it should stay cached (the page data beside it is marked evict-first)."""
+    return tl.load(weights_ptr + words, mask=mask, other=0).to(tl.uint64, bitcast=True)
+
+
+@triton.jit
+def _lane_sums(data, first_offset, lanes, mask, page_weights_ptr, KEYED: tl.constexpr):
+    """Page-sum contribution (uint64 scalar) of int32 lanes ``data`` ``[words, k]``: lane
     ``lanes[w, i]`` (int32) sits at page offset ``first_offset + 4 * lanes[w, i]`` (int64
-    ``first_offset``, a multiple of 4)."""
-    first_word = (first_offset >> 2).to(tl.uint32)
-    return tl.sum(tl.sum(_word_sums(data, first_word + lanes.to(tl.uint32)), 1), 0)
+    ``first_offset``, a multiple of 4); ``mask`` (broadcast to ``lanes``) marks the live
+    ones (dead lanes hold 0). ``KEYED``: weights ``r_j`` from ``page_weights_ptr``, else
+    ``h(j)``."""
+    first_word = first_offset >> 2
+    if KEYED:
+        # No alignment hint on the table: the word paths need only a 4-byte aligned page
+        # offset, so the first word may be odd whatever the data addresses' alignment.
+        weight = _keyed_weights(page_weights_ptr + first_word, lanes, mask)
+    else:
+        weight = _hash_weights(first_word.to(tl.uint32) + lanes.to(tl.uint32))
+    return tl.sum(tl.sum(_word_sums(data, weight), 1), 0)
 
 
 @triton.jit
-def _byte_sums(data, page_offset):
-    """wsum64 contributions of uint8 bytes ``data`` at page offsets ``page_offset``
-    (uint32, same shape; only ``o mod 2**32`` matters): ``b * 2**(8 * (o % 4)) * h(o // 4)``."""
+def _byte_words(data, page_offset):
+    """uint8 bytes ``data`` at page offsets ``page_offset`` (uint32, same shape) as int32
+    words holding each byte where it sits in its page word: ``b * 2**(8 * (o % 4))``, to
+    be weighed by the word's weight (of word ``o // 4``)."""
     shifted = data.to(tl.uint32) << ((page_offset & 3) * 8)
-    return _word_sums(shifted.to(tl.int32, bitcast=True), page_offset >> 2)
+    return shifted.to(tl.int32, bitcast=True)
 
 
 @triton.jit
@@ -220,6 +259,8 @@ def _copy_words(
     LANES: tl.constexpr,
     CHECKSUM: tl.constexpr,
     WRITE: tl.constexpr,
+    page_weights_ptr,
+    KEYED: tl.constexpr,
 ):
     """Copy ``n_words`` words of ``WORD`` (1, 4 or 8) bytes, ``LANES`` words per step.
 
@@ -235,12 +276,14 @@ def _copy_words(
     hint both Triton 3.6 and newer accept on loads and stores alike (3.6 rejects ``.cs``
     on loads, and ptxas refuses ``.cg``/``.cs`` combined with an eviction priority).
 
-    With ``CHECKSUM``, returns the wsum64 contribution (uint64 scalar) of the bytes read;
-    ``page_offset`` (int64) is the pool page offset of the first one (a multiple of 4
-    when ``WORD >= 4``). Without ``WRITE`` nothing is stored. Without ``CHECKSUM`` the
-    returned zero is unused and compiled away. Summed loads pass ``other=0`` (masked-off
-    lanes must add nothing); plain ones keep the load they had (Triton zero-fills masked
-    lanes either way, but the plain kernel stays instruction for instruction the same).
+    With ``CHECKSUM``, returns the page-sum contribution (uint64 scalar) of the bytes read:
+    wsum64's, or with ``KEYED`` keyed_wsum64's (weights from ``page_weights_ptr``, None
+    otherwise); ``page_offset`` (int64) is the pool page offset of the first one (a
+    multiple of 4 when ``WORD >= 4``). Without ``WRITE`` nothing is stored. Without
+    ``CHECKSUM`` the returned zero is unused and compiled away. Summed loads pass
+    ``other=0`` (masked-off lanes must add nothing); plain ones keep the load they had
+    (Triton zero-fills masked lanes either way, but the plain kernel stays instruction
+    for instruction the same).
     """
     total = tl.zeros((), dtype=tl.uint64)
     if WORD >= 4:
@@ -260,7 +303,9 @@ def _copy_words(
             if WRITE:
                 tl.store(dst_ptr + lanes, data, mask=mask, eviction_policy="evict_first")
             if CHECKSUM:
-                total += _lane_sums(data, page_offset + start * WORD, lanes)
+                total += _lane_sums(
+                    data, page_offset + start * WORD, lanes, mask, page_weights_ptr, KEYED
+                )
             start += LANES
     else:
         src_ptr = src.to(tl.pointer_type(tl.uint8))
@@ -279,7 +324,16 @@ def _copy_words(
                 tl.store(dst_ptr + lanes, data, mask=mask, eviction_policy="evict_first")
             if CHECKSUM:
                 offsets = page_offset.to(tl.uint32) + lanes.to(tl.uint32)
-                total += tl.sum(_byte_sums(data, offsets), 0)
+                shifted = _byte_words(data, offsets)
+                if KEYED:
+                    # Byte i of the step sits (page_offset & 3) + lanes[i] bytes past the
+                    # first byte's word (lanes[i] < n_words <= TILE_BYTES: int32 is exact).
+                    first_word = page_offset >> 2
+                    words = ((page_offset & 3).to(tl.int32) + lanes.to(tl.int32)) >> 2
+                    weight = _keyed_weights(page_weights_ptr + first_word, words, mask)
+                else:
+                    weight = _hash_weights(offsets >> 2)
+                total += tl.sum(_word_sums(shifted, weight), 0)
             start += LANES
     return total
 
@@ -319,7 +373,10 @@ def _item_rows(pairs_ptr, tile_table_ptr, pair, tile_row, valid):
 # require a 4-byte aligned page offset (where pool rows are 16-byte aligned an item's
 # pool address and page offset agree mod 16, so no item changes path for it). The
 # reduction across the program's warps (shared memory, a barrier) and the atomic are
-# compiled into the checksum variants only: CHECKSUM/WRITE are constexprs.
+# compiled into the checksum variants only: CHECKSUM/WRITE are constexprs. With KEYED (a
+# constexpr too) each word's weight is a load from the weights table instead of
+# arithmetic on its index: masked exactly like the word's data, so no lane past an item's
+# bytes loads a weight, and the highest word loaded is the payload's last.
 @triton.jit(
     do_not_specialize=[
         "tile_table_ptr",
@@ -332,6 +389,7 @@ def _item_rows(pairs_ptr, tile_table_ptr, pair, tile_row, valid):
         "direction",
         "page_sums_ptr",
         "pair_pages_ptr",
+        "page_weights_ptr",
     ]
 )
 def _copy_blocks_kernel(
@@ -350,8 +408,10 @@ def _copy_blocks_kernel(
     # compiles exactly as before they existed (None pointers are constexprs; unused).
     page_sums_ptr=None,
     pair_pages_ptr=None,
+    page_weights_ptr=None,
     CHECKSUM: tl.constexpr = False,
     WRITE: tl.constexpr = True,
+    KEYED: tl.constexpr = False,
 ):
     """Copy every plane page named by the pair table, in the given direction.
 
@@ -376,8 +436,11 @@ def _copy_blocks_kernel(
         NARROW_BYTES: constexpr, lanes of the byte path.
         page_sums_ptr: int64 ``[num_pages]`` or None: the pages' wsum64s (uint64 bits).
         pair_pages_ptr: int64 ``[num_pairs]`` or None, per job: page index of each pair.
+        page_weights_ptr: int64 ``[>= words of the longest page]`` or None (with KEYED
+            only): the keyed sum's word weights ``r_j`` (uint64 bits), static.
         CHECKSUM: constexpr, add each item's wsum64 to its page's (off: compiled out).
         WRITE: constexpr, store (off, with CHECKSUM: a read-only pass over the source).
+        KEYED: constexpr, with CHECKSUM: keyed_wsum64 (weights ``r_j``) instead of wsum64.
 
     Each program keeps two items in flight: the table rows of its next item (eight
     scalar loads) are issued while the current item's 16-byte data loads are outstanding
@@ -458,18 +521,36 @@ def _copy_blocks_kernel(
                 if WRITE:
                     tl.store(dst_ptr + lanes, data, mask=mask, eviction_policy="evict_first")
                 if CHECKSUM:
-                    total = _lane_sums(data, page_offset, lanes)
+                    total = _lane_sums(data, page_offset, lanes, mask, page_weights_ptr, KEYED)
                 done = (item_bytes // 16) * 16
             else:
                 rows = _item_rows(pairs_ptr, tile_table_ptr, pair, next_row, valid)
                 if (alignment & 7) == 0:
                     total = _copy_words(
-                        src, dst, item_bytes // 8, page_offset, 8, TILE_BYTES // 16, CHECKSUM, WRITE
+                        src,
+                        dst,
+                        item_bytes // 8,
+                        page_offset,
+                        8,
+                        TILE_BYTES // 16,
+                        CHECKSUM,
+                        WRITE,
+                        page_weights_ptr,
+                        KEYED,
                     )
                     done = (item_bytes // 8) * 8
                 elif (alignment & 3) == 0:
                     total = _copy_words(
-                        src, dst, item_bytes // 4, page_offset, 4, TILE_BYTES // 16, CHECKSUM, WRITE
+                        src,
+                        dst,
+                        item_bytes // 4,
+                        page_offset,
+                        4,
+                        TILE_BYTES // 16,
+                        CHECKSUM,
+                        WRITE,
+                        page_weights_ptr,
+                        KEYED,
                     )
                     done = (item_bytes // 4) * 4
                 else:
@@ -477,7 +558,16 @@ def _copy_blocks_kernel(
             # Tail shorter than one word, or the whole item when the addresses are odd.
             at = page_offset + done
             total += _copy_words(
-                src + done, dst + done, item_bytes - done, at, 1, NARROW_BYTES, CHECKSUM, WRITE
+                src + done,
+                dst + done,
+                item_bytes - done,
+                at,
+                1,
+                NARROW_BYTES,
+                CHECKSUM,
+                WRITE,
+                page_weights_ptr,
+                KEYED,
             )
             if CHECKSUM:  # one atomic per item; int64 bits of the uint64 sum (adds wrap alike)
                 tl.atomic_add(page_sums_ptr + page, total.to(tl.int64, bitcast=True), sem="relaxed")
@@ -534,7 +624,11 @@ def _empty_job(device: torch.device) -> tuple[object, ...]:
 
 
 def warm_up(
-    device: torch.device | str | int, tile_bytes: int = TILE_BYTES, *, checksum: bool = False
+    device: torch.device | str | int,
+    tile_bytes: int = TILE_BYTES,
+    *,
+    checksum: bool = False,
+    keyed: bool = False,
 ) -> None:
     """Compile and load the copy kernel on ``device`` now, so the first job does not wait.
 
@@ -543,9 +637,11 @@ def warm_up(
     ones :func:`launch_copy` uses for tables cut at ``tile_bytes``, so the kernel
     compiled here is the one every later job runs: a first compile costs ~1 s,
     mid-serving. With ``checksum`` the two checksum variants (copy with page sums, and
-    the read-only ``write=False`` pass) are compiled too. Does nothing on CPU devices and
-    under the interpreter, where nothing is compiled.
+    the read-only ``write=False`` pass) are compiled too: with ``keyed`` their keyed
+    variants (the ones launches with ``page_weights`` run) instead. Does nothing on CPU
+    devices and under the interpreter, where nothing is compiled.
     """
+    assert checksum or not keyed, "keyed is a kind of checksum"
     device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
     if _INTERPRETED or device.type != "cuda":
         return
@@ -555,12 +651,14 @@ def warm_up(
         if checksum:
             # The empty job has no pair: no sum is added, the tensors only bind the types.
             words = torch.zeros(1, dtype=torch.int64, device=device)
+            weights = {"page_weights_ptr": words} if keyed else {}
             for write in (True, False):
                 _copy_blocks_kernel[(1,)](
                     *job,
                     page_sums_ptr=words,
                     pair_pages_ptr=words,
-                    **_launch_options(tile_bytes, checksum=True, write=write),
+                    **weights,
+                    **_launch_options(tile_bytes, checksum=True, write=write, keyed=keyed),
                 )
 
 
@@ -575,6 +673,7 @@ def launch_copy(
     page_sums: torch.Tensor | None = None,
     pair_pages: torch.Tensor | None = None,
     write: bool = True,
+    page_weights: torch.Tensor | None = None,
 ) -> None:
     """Enqueue ONE launch copying the job on the current stream; no checks, no host sync.
 
@@ -591,17 +690,26 @@ def launch_copy(
     the wsum64 contribution of the pool bytes the launch writes (store) or reads (load).
     ``write=False`` (with page sums only) reads the side ``direction`` names as the
     source (0: the GPU blocks, 1: the pool rows), adds the same contributions (weighted
-    by the pool offsets the bytes map to) and stores nothing. Callers validate; the
-    asserts only catch a mix-up of the optional arguments.
+    by the pool offsets the bytes map to) and stores nothing. ``page_weights`` (with page
+    sums only; int64 ``[>= ceil(longest page / 4)]``, contiguous, on ``layout.device``;
+    None: unkeyed) makes the sums keyed_wsum64s, each word ``j`` weighed by
+    ``page_weights[j]`` read as uint64 instead of ``h(j)``. Callers validate; the asserts
+    only catch a mix-up of the optional arguments.
     """
     assert (page_sums is None) == (pair_pages is None), "page_sums and pair_pages go together"
     assert write or page_sums is not None, "write=False is a checksum pass: needs page_sums"
+    assert page_weights is None or page_sums is not None, "page_weights weigh page sums"
     if pairs.shape[0] == 0:
         return
     if num_programs is None:
         num_programs = default_num_programs(layout.device, layout.mean_tile_bytes)
     checksum = page_sums is not None
-    sums = {"page_sums_ptr": page_sums, "pair_pages_ptr": pair_pages} if checksum else {}
+    keyed = page_weights is not None
+    sums: dict[str, torch.Tensor | None] = {}
+    if checksum:  # pointers passed only to the variants that read them (see the kernel)
+        sums.update(page_sums_ptr=page_sums, pair_pages_ptr=pair_pages)
+    if keyed:
+        sums.update(page_weights_ptr=page_weights)
     _copy_blocks_kernel[(num_programs,)](
         layout.tile_table,
         layout.group_table,
@@ -612,7 +720,7 @@ def launch_copy(
         layout.num_groups,
         int(direction),
         **sums,
-        **_launch_options(layout.tile_bytes, checksum=checksum, write=write),
+        **_launch_options(layout.tile_bytes, checksum=checksum, write=write, keyed=keyed),
     )
 
 

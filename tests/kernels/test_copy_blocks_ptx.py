@@ -18,7 +18,12 @@ What is checked, per architecture:
   table loads sit between the current item's data loads and its stores, and the stores'
   addresses do not depend on them;
 - nothing spills to local memory, and no barrier (shared-memory shuffle) sits between a
-  load and its store.
+  load and its store;
+- the keyed page-sum variants (``KEYED``: the copy with keyed sums and its read-only
+  pass, as ``warm_up(checksum=True, keyed=True)`` binds them) compile too, without
+  spills, their data accesses still evict-first and their weight loads (64-bit, like
+  the table words) unhinted: every page re-reads the weights table, so it should stay
+  cached.
 
 The register count from ``ptxas -v`` is printed (run with ``-s`` to see it).
 """
@@ -44,9 +49,12 @@ INSTRUCTION = re.compile(r"^\s*(?:@!?%p\d+\s+)?([a-z][\w.:]*)\s*(.*?);\s*(?://.*
 LABEL = re.compile(r"^(\$L__\w+):")
 REGISTER = re.compile(r"%[a-z]+\d+")
 TABLE_ROW_LOADS = 8  # one pair row (3 words) and one tile row (5 words) per item
+# Kernel variants compiled here: the plain copy (what every job without checksums runs),
+# and the keyed page-sum copy and read-only pass.
+VARIANTS = ("plain", "keyed", "keyed-read-only")
 
 
-def compile_kernel(capability: int, out_dir: str) -> dict[str, object]:
+def compile_kernel(capability: int, out_dir: str, variant: str = "plain") -> dict[str, object]:
     """Compile the kernel for ``sm_<capability>``; write its PTX; return ptxas's counts."""
     import torch
     import triton
@@ -60,9 +68,16 @@ def compile_kernel(capability: int, out_dir: str) -> dict[str, object]:
     target = GPUTarget("cuda", capability, 32)
     backend = make_backend(target)
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-    _, specialization, options = binder(
-        *cb._empty_job(torch.device("cpu")), **cb._launch_options(cb.TILE_BYTES)
-    )
+    arguments: dict[str, object] = {}
+    if variant == "plain":
+        arguments.update(cb._launch_options(cb.TILE_BYTES))
+    else:
+        # warm_up's keyed launch: every page-sum pointer bound, none specialized.
+        words = torch.zeros(1, dtype=torch.int64)
+        arguments.update(page_sums_ptr=words, pair_pages_ptr=words, page_weights_ptr=words)
+        write = variant == "keyed"
+        arguments.update(cb._launch_options(cb.TILE_BYTES, checksum=True, write=write, keyed=True))
+    _, specialization, options = binder(*cb._empty_job(torch.device("cpu")), **arguments)
     names = [param.name for param in kernel.params]
     source = triton.compiler.ASTSource(
         fn=kernel,
@@ -80,7 +95,7 @@ def compile_kernel(capability: int, out_dir: str) -> dict[str, object]:
     )
     compiled = triton.compile(source, target=target, options=options)
     ptx = compiled.asm["ptx"]
-    ptx_path = Path(out_dir) / f"copy_blocks_sm{capability}.ptx"
+    ptx_path = Path(out_dir) / f"copy_blocks_{variant}_sm{capability}.ptx"
     ptx_path.write_text(ptx)
     arch = re.search(r"^\.target\s+(\S+)", ptx, re.MULTILINE)
     assert arch is not None
@@ -108,12 +123,14 @@ def compile_kernel(capability: int, out_dir: str) -> dict[str, object]:
 
 
 @functools.cache
-def compiled(capability: int) -> tuple[dict[str, object], str]:
-    """Compile once per architecture for the whole module (each compile takes seconds)."""
-    out_dir = tempfile.mkdtemp(prefix=f"copy_blocks_sm{capability}_")
+def compiled(capability: int, variant: str = "plain") -> tuple[dict[str, object], str]:
+    """Compile once per architecture and variant for the whole module (each compile takes
+    seconds)."""
+    assert variant in VARIANTS, variant
+    out_dir = tempfile.mkdtemp(prefix=f"copy_blocks_{variant}_sm{capability}_")
     env = dict(os.environ, TRITON_INTERPRET="0")
     result = subprocess.run(
-        [sys.executable, __file__, str(capability), out_dir],
+        [sys.executable, __file__, str(capability), out_dir, variant],
         capture_output=True,
         text=True,
         env=env,
@@ -260,5 +277,42 @@ def test_no_spills_no_shared_memory_shuffle(capability: int) -> None:
     assert isinstance(info["registers"], int) and info["registers"] > 0
 
 
+@pytest.mark.parametrize("variant", ["keyed", "keyed-read-only"])
+@pytest.mark.parametrize("capability", [90, 80])
+def test_keyed_variants_compile_with_hinted_data_and_cached_weights(
+    capability: int, variant: str
+) -> None:
+    info, ptx = compiled(capability, variant)
+    print(
+        f"triton {info['triton']} sm_{capability} {variant}: {info['registers']} registers, "
+        f"{info['spill_bytes']} spill bytes"
+    )
+    assert info["has_cubin"]
+    assert info["spill_bytes"] == 0 and not LOCAL_MEMORY.search(ptx), "spills"
+    code = instructions(ptx)
+    policies = set(re.findall(r"createpolicy\.fractional\.L2::evict_first\.b64\s+(%rd\d+)", ptx))
+    data = [(op, ops) for _, op, ops in code if is_data_access(op)]
+    assert data
+    for op, ops in data:
+        assert "L1::evict_first" in op and "L2::cache_hint" in op, f"unhinted data access {op}"
+        assert ops[-1] in policies, f"{op} uses cache policy {ops[-1]}, not an evict-first one"
+    stores = [op for op, _ in data if op.startswith("st.global")]
+    assert bool(stores) == (variant == "keyed"), f"{variant}: stores {stores}"
+    # 64-bit loads: the table words, the pair's page and the weights, all unhinted. Each
+    # thread weighs its 16 words of a full 16-byte-path tile (8 KiB over 128 threads) with
+    # one 64-bit weight each, beyond the plain kernel's table loads.
+    wide = [op for _, op, _ in code if op.startswith("ld.global") and op.endswith(".b64")]
+    assert all("evict" not in op and "cache_hint" not in op for op in wide), wide
+    _, plain = compiled(capability)
+    plain_wide = [
+        op for _, op, _ in instructions(plain) if op.startswith("ld.global") and op.endswith(".b64")
+    ]
+    assert len(wide) >= len(plain_wide) + 16, (len(wide), len(plain_wide))
+    # The item's sum: one relaxed 64-bit add (``red`` when its result is unused).
+    atomics = [op for _, op, _ in code if op.startswith(("atom.global", "red.global"))]
+    assert atomics and all(".add.u64" in op for op in atomics), atomics
+
+
 if __name__ == "__main__":
-    print(json.dumps(compile_kernel(int(sys.argv[1]), sys.argv[2])))
+    variant = sys.argv[3] if len(sys.argv) > 3 else "plain"
+    print(json.dumps(compile_kernel(int(sys.argv[1]), sys.argv[2], variant)))

@@ -827,6 +827,39 @@ class TritonCopier(Copier):
         # Per subset uploaded on a transfer stream (CUDA): the event recorded after its
         # upload, and the handles of the streams already ordered after it.
         self._uploads: dict[tuple[int, ...], tuple[Any, set[int]]] = {}
+        #: The keyed page sums' word weights (:meth:`set_page_weights`); None: unkeyed.
+        self.page_weights: torch.Tensor | None = None
+
+    def set_page_weights(self, weights: torch.Tensor) -> None:
+        """Make every later page-summing launch (``sums=``: fused copies, read-only and
+        gap passes) compute ``keyed_wsum64``: word ``j`` of a page weighed by
+        ``weights[j]`` read as uint64 (the kernel module's docstring; the weights are a
+        seal key's, :mod:`triton_offload.transfer.seal_key`).
+
+        ``weights``: int64, 1-D, contiguous, on this copier's device, with a weight for
+        every 32-bit word of the longest row payload (``ceil(max(group_row_bytes) / 4)``)
+        so no launch reads past its end. The copier keeps and reads this tensor itself:
+        it must not change while jobs run. TypeError/ValueError name the bad value.
+        """
+        if not isinstance(weights, torch.Tensor):
+            raise TypeError(f"page weights must be a torch.Tensor, got {type(weights).__name__}")
+        if weights.dtype != torch.int64:
+            raise ValueError(f"page weights must be int64 (uint64 bits), got {weights.dtype}")
+        if weights.dim() != 1:
+            raise ValueError(
+                f"page weights must be 1-D, got {weights.dim()}-D {tuple(weights.shape)}"
+            )
+        if not _same_device(weights.device, self.device):
+            raise ValueError(f"page weights are on {weights.device}, the copier on {self.device}")
+        if not weights.is_contiguous():
+            raise ValueError(f"page weights must be contiguous, got stride {weights.stride(0)}")
+        words = -(-max(self.layout.group_row_bytes, default=0) // 4)
+        if weights.numel() < words:
+            raise ValueError(
+                f"page weights hold {weights.numel()} words, fewer than the {words} of the "
+                f"longest row payload ({max(self.layout.group_row_bytes)} bytes)"
+            )
+        self.page_weights = weights
 
     def _tables(self, planes: PlaneSubset) -> KernelTables:
         return kernel_tables(self.layout, self.row_stride, self.tile_bytes, self.device, planes)
@@ -909,12 +942,15 @@ class TritonCopier(Copier):
 
     def warm_up(self, *, checksum: bool = False) -> None:
         """Compile the kernel before the first job (a launch that moves no byte); with
-        ``checksum`` its checksumming variants too.
+        ``checksum`` its checksumming variants too: the keyed ones once
+        :meth:`set_page_weights` was called (those are what this copier's sums run).
 
         No kernel argument is specialized, so the one kernel compiled for this device
         serves every later job, whatever its tables, pair count or pool address.
         """
-        if checksum:
+        if checksum and self.page_weights is not None:
+            self.kernels.warm_up(self.device, self.tile_bytes, checksum=True, keyed=True)
+        elif checksum:
             self.kernels.warm_up(self.device, self.tile_bytes, checksum=True)
         else:
             self.kernels.warm_up(self.device, self.tile_bytes)
@@ -935,8 +971,9 @@ class TritonCopier(Copier):
         sums: PageSums | None = None,
     ) -> Callable[[], None]:
         """As :meth:`Copier.prepare`; with ``sums`` the launch also adds each page's
-        ``wsum64`` to ``sums`` (``sums.write`` False: it only reads, see
-        :class:`PageSums`). Checksummed jobs are whole-page jobs: no writer rotation."""
+        ``wsum64`` (``keyed_wsum64`` after :meth:`set_page_weights`) to ``sums``
+        (``sums.write`` False: it only reads, see :class:`PageSums`). Checksummed jobs
+        are whole-page jobs: no writer rotation."""
         if sums is not None:
             return self._prepare_part(table, direction, planes, holds, stream, sums)
         launches = [
@@ -997,6 +1034,8 @@ class TritonCopier(Copier):
 
             return run
         page_sums, write = sums.page_sums, sums.write
+        # Passed only when keyed, so an unkeyed launch calls the launcher as before.
+        keyed = {} if self.page_weights is None else {"page_weights": self.page_weights}
 
         def run_summed() -> None:
             launch(
@@ -1009,6 +1048,7 @@ class TritonCopier(Copier):
                 page_sums=page_sums,
                 pair_pages=pair_pages,
                 write=write,
+                **keyed,
             )
 
         return run_summed
