@@ -1,11 +1,12 @@
 """A capacity that holds no chunk, judged from the model's configuration before it loads.
 
-The judge here is the rule itself: a plain attention model's chunk row is ``copies``
-worker pages of ``blocks_per_chunk`` GPU blocks, a block holding K and V of every
-attention layer (``2 x kv heads per rank x head size x dtype bytes x tokens per block``
-each), plus a 64-byte seal per page, rounded up to the region's alignment. That the
-figure equals the spec's after the model loaded is checked in vLLM's real engine
-(``tests/system/test_vllm_serve_real.py``).
+The judge here is the rule itself: a plain attention model's token takes K and V of every
+attention layer, ``2 x KV heads per rank x head size x dtype bytes``; a chunk holds at
+least one token per GPU block (or the tokens ``block_size`` names); its row is
+``copies`` worker pages of those tokens plus a 64-byte seal each, rounded up to the
+region's alignment. Below that floor no block size can make a chunk fit. That the floor
+never exceeds the spec's exact figure after the model loaded, and is refused before the
+model loads, is checked in vLLM's real engine (``tests/system/test_vllm_serve_real.py``).
 """
 
 from __future__ import annotations
@@ -16,12 +17,19 @@ from typing import Any
 import pytest
 import torch
 
-from triton_offload.vllm.capacity import (
-    ChunkRow,
-    check_capacity_before_load,
-    chunk_row_before_load,
-    no_chunk_message,
-)
+try:
+    from triton_offload.vllm.capacity import (
+        ChunkRow,
+        check_capacity_before_load,
+        chunk_floor_before_load,
+        floor_message,
+    )
+
+    VLLM_ERROR: str | None = None
+except ImportError as error:  # pragma: no cover - exercised where vllm is absent
+    VLLM_ERROR = f"vllm cannot be imported: {error}"
+
+pytestmark = pytest.mark.skipif(VLLM_ERROR is not None, reason=VLLM_ERROR or "")
 
 ALIGNMENT = 4096
 
@@ -71,33 +79,34 @@ def vllm_config(**changes: Any) -> Any:
     return types.SimpleNamespace(model_config=model, parallel_config=parallel, cache_config=cache)
 
 
-def expected_row(bpc: int, block: int, copies: int, sealed: bool) -> int:
-    page = bpc * block + (64 if sealed else 0)
+def expected_row(tokens: int, token_bytes: int, copies: int, sealed: bool) -> int:
+    page = tokens * token_bytes + (64 if sealed else 0)
     return -(-page * copies // ALIGNMENT) * ALIGNMENT
 
 
 @pytest.mark.parametrize(
-    ("extra", "changes", "bpc", "item"),
+    ("extra", "changes", "tokens", "item"),
     [
         ({}, {}, 1, 2),
         ({"blocks_per_chunk": 4}, {}, 4, 2),
-        ({"block_size": 64}, {}, 4, 2),
+        ({"block_size": 64}, {}, 64, 2),
         ({"verify_chunks": False}, {}, 1, 2),
         ({}, {"cache_dtype": "fp8_e4m3"}, 1, 1),
         ({}, {"dtype": torch.float32, "world_size": 1}, 1, 4),
+        ({"blocks_per_chunk": 2}, {"block_size": None}, 2, 2),
     ],
 )
-def test_a_plain_attention_models_row_follows_from_its_configuration(
-    extra: dict[str, Any], changes: dict[str, Any], bpc: int, item: int
+def test_a_plain_attention_models_least_row_follows_from_its_configuration(
+    extra: dict[str, Any], changes: dict[str, Any], tokens: int, item: int
 ) -> None:
     config = vllm_config(**changes)
-    row = chunk_row_before_load({"cpu_bytes_to_use": 1, **extra}, config, ALIGNMENT)
-    assert row is not None
-    block = 4 * 2 * 2 * 64 * item * 16
+    floor = chunk_floor_before_load({"cpu_bytes_to_use": 1, **extra}, config, ALIGNMENT)
+    assert floor is not None
+    token_bytes = 4 * 2 * 2 * 64 * item
     copies = config.parallel_config.world_size
     sealed = extra.get("verify_chunks", True)
-    assert (row.block_bytes, row.blocks_per_chunk, row.copies) == (block, bpc, copies)
-    assert row.row_bytes == expected_row(bpc, block, copies, sealed)
+    assert (floor.token_bytes, floor.tokens, floor.copies) == (token_bytes, tokens, copies)
+    assert floor.row_bytes == expected_row(tokens, token_bytes, copies, sealed)
 
 
 @pytest.mark.parametrize(
@@ -111,32 +120,33 @@ def test_a_plain_attention_models_row_follows_from_its_configuration(
         ({}, {"pp": 2}),
         ({}, {"dcp": 2}),
         ({}, {"pcp": 2}),
-        ({}, {"block_size": None}),
         ({}, {"cache_dtype": "int4"}),
-        ({"block_size": 24}, {}),
         ({"canonical_layout": True}, {}),
     ],
 )
 def test_a_layout_the_configuration_does_not_pin_down_is_left_to_the_spec(
     extra: dict[str, Any], changes: dict[str, Any]
 ) -> None:
-    assert (
-        chunk_row_before_load({"cpu_bytes_to_use": 1, **extra}, vllm_config(**changes), 4096)
-        is None
-    )
+    config = vllm_config(**changes)
+    assert chunk_floor_before_load({"cpu_bytes_to_use": 1, **extra}, config, 4096) is None
     check_capacity_before_load({"cpu_bytes_to_use": 1, **extra}, vllm_config(**changes), 4096)
 
 
-def test_too_small_is_refused_naming_the_least_that_holds_a_chunk() -> None:
+def test_below_the_floor_is_refused_naming_it() -> None:
     config = vllm_config()
-    row = chunk_row_before_load({"cpu_bytes_to_use": 1}, config, ALIGNMENT)
-    assert row is not None
-    check_capacity_before_load({"cpu_bytes_to_use": row.row_bytes}, config, ALIGNMENT)
+    extra = {"cpu_bytes_to_use": 1, "blocks_per_chunk": 8}
+    floor = chunk_floor_before_load(extra, config, ALIGNMENT)
+    assert floor is not None
+    check_capacity_before_load({**extra, "cpu_bytes_to_use": floor.row_bytes}, config, ALIGNMENT)
     with pytest.raises(ValueError) as refused:
-        check_capacity_before_load({"cpu_bytes_to_use": row.row_bytes - 1}, config, ALIGNMENT)
-    assert str(refused.value) == no_chunk_message(row.row_bytes - 1, row)
-    assert f"give at least {row.row_bytes} (one chunk)" in str(refused.value)
-    assert "2 worker page(s) of 1 blocks x 32768 bytes + a 64-byte seal each" in str(refused.value)
+        check_capacity_before_load(
+            {**extra, "cpu_bytes_to_use": floor.row_bytes - 1}, config, ALIGNMENT
+        )
+    assert str(refused.value) == floor_message(floor.row_bytes - 1, floor)
+    assert f"takes at least {floor.row_bytes} bytes" in str(refused.value)
+    assert "2 worker page(s) of at least 8 token(s) x 2048 bytes + a 64-byte seal each" in str(
+        refused.value
+    )
 
 
 def test_the_row_rounds_every_workers_page_up_together() -> None:

@@ -661,8 +661,9 @@ class TritonOffloadingConnector(RELEASE.ConnectorClassHooks, OffloadingConnector
         spec_name = extra.get("spec_name", SPEC_NAME) if isinstance(extra, Mapping) else SPEC_NAME
         if spec_name in OWN_SPECS:
             check_extra_config(extra, spec_name)
-            # The model is described by now (its layers, heads, dtype): a capacity that
-            # holds no chunk of a plain attention model is refused before it loads.
+            # The model is described by now (its layers, heads, dtype): a capacity below
+            # the least a chunk of a plain attention model takes is refused before it
+            # loads.
             vllm_config = building_vllm_config()
             if vllm_config is not None:
                 check_capacity_before_load(extra, vllm_config, _region_alignment())
