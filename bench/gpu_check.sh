@@ -548,9 +548,10 @@ step grid-sweep "$(cap_of grid-sweep)" "$work/grid-sweep.log" "$py" -m triton_of
 bench sweep --sweep-only "${sweep_args[@]}"
 
 # --- summary -------------------------------------------------------------------------------
-# bench_seal.py's CUDA rows judged by bench/gpu_check.py: verified / unverified speed
-# against its goal (under it: reported, not failed) and host CPU seconds per verified GB.
-# A passed case without its row, or a row that does not parse, fails the check.
+# bench_seal.py's CUDA rows judged by bench/gpu_check.py, one section each: verified /
+# unverified speed against its goal and host CPU seconds per verified GB; keyed / unkeyed
+# verified speed against its own (under a goal: reported, not failed). A passed case
+# without its row, or a row that does not parse, fails the check.
 verification=""
 if [ -f "$out/gpu-tests.log" ]; then
   verification=$(cd "$run_dir" && timeout 10 "$py" -m triton_offload.bench.gpu_check \

@@ -16,6 +16,7 @@ import sysconfig
 import tarfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -141,6 +142,11 @@ def test_dry_run_runs_every_step_through_the_shim(tmp_path: Path) -> None:
     assert "kernel: not compiled: no CUDA device here" in summary
     assert re.search(
         r"^verification on cuda .*: not measured: its CUDA cases skipped \(needs a CUDA device\)$",
+        summary,
+        re.M,
+    ), summary
+    assert re.search(
+        r"^keyed seals on cuda .*: not measured: its CUDA cases skipped \(needs a CUDA device\)$",
         summary,
         re.M,
     ), summary
@@ -324,8 +330,8 @@ SEAL_CASES = [
 ]
 
 
-def _seal_row(path: str, direction: str, page: int, plain_s: float, verified_s: float) -> str:
-    """The row bench_seal.py prints for one CUDA case, printed by the bench's own report."""
+def _printed(what: str, page: int, times: dict[str, float], **extra: Any) -> str:
+    """What bench_seal.py's report prints for one CUDA case of ``page`` KiB pages."""
     import contextlib
     import io
     from types import SimpleNamespace
@@ -334,28 +340,49 @@ def _seal_row(path: str, direction: str, page: int, plain_s: float, verified_s: 
 
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        report(
-            SimpleNamespace(extra_info={}),
-            f"engine cuda {path} {direction}, {page} KiB pages",
-            page * 1024 * 256,
-            {"unverified": plain_s, "verified": verified_s},
-            host_cpu_s_per_GB=0.0123,
-            algorithm="xxh3-64 (checksum kernel)",
-        )
+        report(SimpleNamespace(extra_info={}), what, page * 1024 * 256, times, **extra)
     return printed.getvalue()
 
 
+def _seal_row(path: str, direction: str, page: int, plain_s: float, verified_s: float) -> str:
+    """The row bench_seal.py prints for one CUDA case, printed by the bench's own report."""
+    return _printed(
+        f"engine cuda {path} {direction}, {page} KiB pages",
+        page,
+        {"unverified": plain_s, "verified": verified_s},
+        host_cpu_s_per_GB=0.0123,
+        algorithm="xxh3-64 (checksum kernel)",
+    )
+
+
+def _keyed_row(path: str, direction: str, page: int, unkeyed_s: float, keyed_s: float) -> str:
+    """The row bench_seal.py's keyed CUDA case prints (``_keyed_cost``), by the same report."""
+    return _printed(
+        f"engine cuda {path} {direction} keyed, {page} KiB pages",
+        page,
+        {"unkeyed": unkeyed_s, "keyed": keyed_s},
+        names=("unkeyed", "keyed"),
+        algorithm="keyed_wsum64",
+    )
+
+
+VERIFICATION_CASE = "test_engine_verification_cost_cuda"
+KEYED_CASE = "test_engine_keyed_cost_cuda"
+
+
 def _seal_log(
-    rows: dict[tuple[str, str, int], str], outcomes: dict[tuple[str, str, int], str]
+    rows: dict[tuple[str, str, int], str],
+    outcomes: dict[tuple[str, str, int], str],
+    case: str = VERIFICATION_CASE,
 ) -> str:
-    """gpu-tests.log's part for bench_seal.py as pytest -v -rA writes it."""
+    """gpu-tests.log's part for bench_seal.py's ``case`` as pytest -v -rA writes it."""
     lines = ["===== bench/suites/bench_seal.py (limit 40 s) =====", "collected 16 items"]
     for (path, direction, page), outcome in outcomes.items():
-        case = f"test_engine_verification_cost_cuda[{direction}-{page}KiB-{path}]"
-        lines.append(f"bench/suites/bench_seal.py::{case} {outcome} [  8%]")
+        name = f"{case}[{direction}-{page}KiB-{path}]"
+        lines.append(f"bench/suites/bench_seal.py::{name} {outcome} [  8%]")
     lines.append("=" * 30 + " PASSES " + "=" * 30)
     for (path, direction, page), row in rows.items():
-        lines.append(f"___ test_engine_verification_cost_cuda[{direction}-{page}KiB-{path}] ___")
+        lines.append(f"___ {case}[{direction}-{page}KiB-{path}] ___")
         lines.append("-" * 10 + " Captured stdout call " + "-" * 10)
         lines.append(row)
     return "\n".join(lines) + "\n"
@@ -461,6 +488,8 @@ def test_the_case_ids_of_bench_seal_map_to_its_rows() -> None:
     )
     ids = re.findall(r"::test_engine_verification_cost_cuda\[([^\]]+)\]$", done.stdout, re.M)
     assert sorted(case_key(i) for i in ids) == sorted(SEAL_CASES), done.stdout[-2000:]
+    keyed = re.findall(r"::test_engine_keyed_cost_cuda\[([^\]]+)\]$", done.stdout, re.M)
+    assert sorted(case_key(i) for i in keyed) == sorted(SEAL_CASES), done.stdout[-2000:]
 
 
 def test_the_check_fails_on_a_broken_verification_report(tmp_path: Path) -> None:
@@ -490,4 +519,168 @@ def test_the_check_fails_on_a_broken_verification_report(tmp_path: Path) -> None
         "  REPORT BROKEN: case test_engine_verification_cost_cuda[load-8KiB-auto] passed but "
         "printed no row" in summary
     )
+    assert re.search(
+        r"^keyed seals on cuda .*: not measured: its CUDA cases did not run$", summary, re.M
+    ), summary
     assert re.search(r"^wall \d+ s of \d+ s; exit 1$", summary, re.M), summary
+
+
+# ------------------------------------------------ the keyed seals section (bench/gpu_check.py)
+
+
+def test_the_row_patterns_exclude_each_other() -> None:
+    """A verification row is never read as a keyed row, nor the other way round (the
+    rows as the bench's own report prints them)."""
+    from triton_offload.bench.gpu_check import KEYED_ROW, ROW
+
+    for case in SEAL_CASES:
+        plain = _seal_row(*case, 1.0e-3, 1.02e-3).strip()
+        keyed = _keyed_row(*case, 1.0e-3, 1.02e-3).strip()
+        assert ROW.match(plain) and not KEYED_ROW.match(plain), plain
+        assert KEYED_ROW.match(keyed) and not ROW.match(keyed), keyed
+
+
+def test_keyed_summary_judges_every_cuda_row() -> None:
+    from triton_offload.bench.gpu_check import KEYED_RATIO_GOAL, keyed_summary
+
+    assert KEYED_RATIO_GOAL == 0.9
+    # Keyed time per case: every ratio from 0.85 to 1.0; the 0.899 one prints "0.90"
+    # (256 KiB pages: 67 GB/s, whose three decimals keep the ratio's third).
+    ratios = {case: 0.85 + 0.15 * i / (len(SEAL_CASES) - 1) for i, case in enumerate(SEAL_CASES)}
+    ratios[("dma", "store", 256)] = 0.899
+    rows = {case: _keyed_row(*case, 1.0e-3, 1.0e-3 / r) for case, r in ratios.items()}
+    assert "ratio 0.90," in rows[("dma", "store", 256)]
+    lines, broken = keyed_summary(_seal_log(rows, dict.fromkeys(SEAL_CASES, "PASSED"), KEYED_CASE))
+    text = "\n".join(lines)
+    assert not broken, text
+    assert lines[0] == (
+        "keyed seals on cuda (bench_seal.py: keyed / unkeyed verified speed, goal >= 0.9):"
+    )
+    for (path, direction, page), ratio in ratios.items():
+        verdict = "ok" if ratio >= KEYED_RATIO_GOAL else "BELOW GOAL"
+        pattern = rf"^  {path} +{direction} +{page} KiB: ratio ([0-9.]+) \(.*\)  {verdict}$"
+        found = re.search(pattern, text, re.M)
+        # The ratio comes from GB/s rounded to three decimals: within 0.001 at 8 KiB pages.
+        assert found and abs(float(found.group(1)) - ratio) < 1e-3, (pattern, text)
+    meeting = sum(r >= KEYED_RATIO_GOAL for r in ratios.values())
+    assert meeting == 7  # the cases straddle the goal; 0.899 is under it
+    assert lines[-1].startswith("  ratio: lowest 0.850 (triton store 8 KiB), median ")
+    assert lines[-1].endswith(f"; {meeting} of 12 rows meet the goal")
+    assert "CPU s" not in text  # keyed rows print no host CPU cost
+    assert len(lines) == 1 + len(SEAL_CASES) + 1
+
+
+@pytest.mark.parametrize(
+    "fault, named",
+    [
+        ("missing", "case test_engine_keyed_cost_cuda[load-8KiB-dma] passed but printed no row"),
+        ("unpassed", "row dma load 8 KiB has no passed case"),
+        ("nan", "row dma load 8 KiB: keyed GB/s nan"),
+        ("disagrees", "row dma load 8 KiB: ratio 0.5 disagrees with its GB/s"),
+    ],
+)
+def test_a_broken_keyed_report_is_named(fault: str, named: str) -> None:
+    from triton_offload.bench.gpu_check import keyed_summary
+
+    broken_case = ("dma", "load", 8)
+    rows = {case: _keyed_row(*case, 1.0e-3, 1.05e-3) for case in SEAL_CASES}
+    outcomes = dict.fromkeys(SEAL_CASES, "PASSED")
+    if fault == "missing":
+        del rows[broken_case]
+    elif fault == "unpassed":
+        outcomes[broken_case] = "FAILED"
+    elif fault == "nan":
+        rows[broken_case] = re.sub(r"unkeyed, [0-9.]+ GB/s", "unkeyed, nan GB/s", rows[broken_case])
+    elif fault == "disagrees":
+        rows[broken_case] = re.sub(r"ratio [0-9.]+", "ratio 0.50", rows[broken_case])
+    lines, broken = keyed_summary(_seal_log(rows, outcomes, KEYED_CASE))
+    text = "\n".join(lines)
+    assert broken, text
+    assert f"  REPORT BROKEN: {named}" in text, text
+
+
+def test_keyed_not_measured_is_said_and_not_broken() -> None:
+    from triton_offload.bench.gpu_check import keyed_summary, verification_summary
+
+    # Both kinds skipped, with pytest -rA's folded skip lines (one per test function).
+    skipped = _seal_log({}, dict.fromkeys(SEAL_CASES, "SKIPPED"))
+    skipped += _seal_log({}, dict.fromkeys(SEAL_CASES, "SKIPPED"), KEYED_CASE)
+    skipped += "SKIPPED [12] bench/suites/bench_seal.py:167: needs a CUDA device\n"
+    skipped += "SKIPPED [12] bench/suites/bench_seal.py:210: needs a CUDA device\n"
+    for summary in (verification_summary, keyed_summary):
+        lines, broken = summary(skipped)
+        assert not broken and len(lines) == 1, lines
+        assert lines[0].endswith("not measured: its CUDA cases skipped (needs a CUDA device)")
+    lines, broken = keyed_summary(skipped.replace("::test_engine_verification", "::elsewhere"))
+    assert not broken and lines[0].endswith("skipped (needs a CUDA device)")
+    # A log of the verification cases only (bench_seal.py before its keyed cases).
+    passed = {case: _seal_row(*case, 1.0e-3, 1.02e-3) for case in SEAL_CASES}
+    only = _seal_log(passed, dict.fromkeys(SEAL_CASES, "PASSED"))
+    lines, broken = keyed_summary(only)
+    assert not broken and lines == [
+        "keyed seals on cuda (bench_seal.py: keyed / unkeyed verified speed, goal >= 0.9): "
+        "not measured: its CUDA cases did not run"
+    ]
+
+
+def _both_logs(
+    *, keyed_without: tuple[str, str, int] | None = None, failed: tuple[str, str, int] | None = None
+) -> tuple[str, str, str]:
+    """(verification part, keyed part, the two together) of one gpu-tests.log: every
+    case passed, one keyed row under its goal; or the keyed case ``keyed_without``
+    printed no row, or the verification case ``failed`` failed (and printed its row)."""
+    plain = {case: _seal_row(*case, 1.0e-3, 1.02e-3) for case in SEAL_CASES}
+    keyed = {case: _keyed_row(*case, 1.0e-3, 1.05e-3) for case in SEAL_CASES}
+    keyed[("auto", "load", 256)] = _keyed_row("auto", "load", 256, 1.0e-3, 1.25e-3)
+    if keyed_without is not None:
+        del keyed[keyed_without]
+    outcomes = dict.fromkeys(SEAL_CASES, "PASSED")
+    verification_log = _seal_log(plain, {**outcomes, **({failed: "FAILED"} if failed else {})})
+    keyed_log = _seal_log(keyed, outcomes, KEYED_CASE)
+    return verification_log, keyed_log, verification_log + keyed_log
+
+
+def test_a_log_with_both_kinds_gives_both_sections(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each section reads only its own cases and rows: with both in the log, each says
+    what it says with its own alone; the command prints both, verification first."""
+    from triton_offload.bench.gpu_check import keyed_summary, main, verification_summary
+
+    verification_log, keyed_log, both = _both_logs()
+    verification, broken = verification_summary(both)
+    assert not broken and verification == verification_summary(verification_log)[0]
+    assert "; 12 of 12 rows meet the goal" in verification[-2]
+    keyed, broken = keyed_summary(both)
+    assert not broken and keyed == keyed_summary(keyed_log)[0]
+    assert re.search(
+        r"^  auto +load +256 KiB: ratio 0\.800 .*  BELOW GOAL$", "\n".join(keyed), re.M
+    )
+    assert keyed[-1].startswith("  ratio: lowest 0.800 (auto load 256 KiB), median 0.952; ")
+    assert keyed[-1].endswith("; 11 of 12 rows meet the goal")
+    log = tmp_path / "gpu-tests.log"
+    log.write_text(both)
+    assert main(["verification", str(log)]) == 0
+    assert capsys.readouterr().out.splitlines() == verification + keyed
+
+
+def test_a_broken_keyed_report_fails_the_command(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A passed keyed case without its row fails the command even when the verification
+    section is sound (and the other way round)."""
+    from triton_offload.bench.gpu_check import main
+
+    log = tmp_path / "gpu-tests.log"
+    log.write_text(_both_logs(keyed_without=("dma", "load", 8))[2])
+    assert main(["verification", str(log)]) == 1
+    out = capsys.readouterr().out
+    assert (
+        "REPORT BROKEN: case test_engine_keyed_cost_cuda[load-8KiB-dma] passed but printed" in out
+    )
+    assert out.count("REPORT BROKEN") == 1
+    log.write_text(_both_logs(failed=("dma", "load", 8))[2])
+    assert main(["verification", str(log)]) == 1
+    out = capsys.readouterr().out
+    assert "REPORT BROKEN: row dma load 8 KiB has no passed case" in out
+    assert out.count("REPORT BROKEN") == 1
