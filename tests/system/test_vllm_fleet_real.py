@@ -422,3 +422,89 @@ def test_tp2_and_tp1_engines_share_canonical_rows(canonical_run: dict[str, Any])
         assert _all_refused(served) == 0, where
         _assert_same(served, cold, where)
     assert canonical_run["left_in_shm"] == []
+
+
+def _key_file(root: str, name: str) -> str:
+    """A seal key as an operator makes one: 32 random bytes, mode 0600."""
+    path = os.path.join(root, name)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as key_file:
+        key_file.write(os.urandom(32))
+    return path
+
+
+@pytest.fixture(scope="module")
+def keyed_run(engine_ready: None, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A keyed fleet on one fs folder, its engines one after another: A (the fleet's key)
+    computes P7; B (the same key) is served it; N (no key) and O (another key) run it
+    with A's files in the folder, in that order."""
+    root = str(tmp_path_factory.mktemp("keyed"))
+    node = os.path.join(root, "node")
+    write_model("llama", node)
+    fs = fs_tier(_private_folder(root, "fs"))
+    key, other = _key_file(root, "fleet.key"), _key_file(root, "other.key")
+    fleet = Fleet(root)
+    run: dict[str, Any] = {}
+    try:
+        a = fleet.start("keyed-a", "llama", tiering([fs], seal_key_file=key), cwd=node)
+        block = run["block"] = a.wait_started()["block_size"]
+        p7 = _prompt(block, 17)
+        run["a_p7"] = a.generate([p7])
+        a.settle()
+        files = a.chunk_files(p7)
+        a.close()
+        run["a_files"] = {path: _read(path) for path in files}
+        for name, extra in (
+            ("b", {"seal_key_file": key}),
+            ("n", {}),
+            ("o", {"seal_key_file": other}),
+        ):
+            engine = fleet.start(f"keyed-{name}", "llama", tiering([fs], **extra), cwd=node)
+            run[f"{name}_p7"] = engine.generate([p7])
+            engine.settle()
+            engine.close()
+            run[f"files_after_{name}"] = {path: _read(path) for path in files}
+    finally:
+        run["left_in_shm"] = fleet.close()
+    return run
+
+
+def _read(path: str) -> bytes | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
+@pytest.mark.slow
+def test_a_keyed_fleet_shares_its_tier_and_refuses_other_keys(keyed_run: dict[str, Any]) -> None:
+    """With one ``seal_key_file``, B is served A's chunks from the fs folder (A's tokens
+    and logprobs, nothing refused). N, without a key, refuses every chunk (``keyed``: it
+    cannot check a keyed tag), recomputes and leaves A's files as they were. O, under
+    another key, refuses them as forgeries, recomputes, and its repair replaces them
+    with its own. Every engine's answer is A's."""
+    block = keyed_run["block"]
+    a_files = keyed_run["a_files"]
+    assert a_files and None not in a_files.values()
+    served = keyed_run["b_p7"]
+    assert delta(served, None, HITS) == CHUNKS * block
+    assert delta(served, None, _by_source("disk")) == CHUNKS * block
+    assert _all_refused(served) == 0
+    _assert_same(served, keyed_run["a_p7"], "b (same key) vs a")
+    assert keyed_run["files_after_b"] == a_files
+
+    unkeyed = keyed_run["n_p7"]
+    assert delta(unkeyed, None, HITS) == 0
+    assert delta(unkeyed, None, _refused("keyed", "fs")) >= 1
+    assert _all_refused(unkeyed) == delta(unkeyed, None, _refused("keyed", "fs"))
+    _assert_same(unkeyed, keyed_run["a_p7"], "n (no key) vs a")
+    assert keyed_run["files_after_n"] == a_files  # never judged, never removed
+
+    other = keyed_run["o_p7"]
+    assert delta(other, None, HITS) == 0
+    assert delta(other, None, _refused("forgery", "fs")) >= 1
+    assert _all_refused(other) == delta(other, None, _refused("forgery", "fs"))
+    _assert_same(other, keyed_run["a_p7"], "o (another key) vs a")
+    assert keyed_run["files_after_o"] != a_files
+    assert keyed_run["left_in_shm"] == []

@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -224,3 +225,32 @@ def test_the_config_digest_names_the_model_and_its_dtype(tmp_path: Path) -> None
     assert digest("model-a", "bfloat16") == digest("model-a", "bfloat16")
     assert digest("model-a", "bfloat16") != digest("model-b", "bfloat16")
     assert digest("model-a", "bfloat16") != digest("model-a", "float16")
+
+
+def test_an_engine_without_the_key_never_removes_a_keyed_tier_file(seal_key_file: Path) -> None:
+    """A keyed chunk file is refused by an engine without the seal key (it cannot check
+    the tag) but is no verdict for the repair: the engines holding the key own it. Under
+    another key the same file is refused as a forgery and may be removed."""
+    from triton_offload.transfer.seal import SealFormat, key_digest, write_seal
+    from triton_offload.transfer.seal_key import SealKey
+    from triton_offload.vllm.integrity import ChunkGuard
+
+    page = 4096
+    digest = b"c" * 8
+    row = np.random.default_rng(5).integers(0, 256, page, dtype=np.uint8)
+    write_seal(
+        row,
+        page - SEAL_BYTES,
+        SealFormat(digest, b"l" * 8, 0, 1),
+        key_digest(b"chunk"),
+        algorithm="keyed_ghash64",
+        seal_key=SealKey.from_file(seal_key_file),
+    )
+    common = {"row_stride": page, "page_bytes": page, "page_count": 1, "digest": digest}
+    unkeyed = ChunkGuard(**common)
+    assert "no seal key" in str(unkeyed.row_problem(row, b"chunk", check_payload=True))
+    assert unkeyed.tier_file_problem(b"chunk")(row.tobytes()) is None
+    keyed = ChunkGuard(**common, seal_key=SealKey.from_file(seal_key_file))
+    assert keyed.tier_file_problem(b"chunk")(row.tobytes()) is None
+    other = ChunkGuard(**common, seal_key=SealKey(bytes(range(32))))
+    assert "forgery" in str(other.tier_file_problem(b"chunk")(row.tobytes()))

@@ -36,7 +36,14 @@ from typing import Any
 
 import numpy as np
 
-from triton_offload.transfer.seal import SEAL_BYTES, SealFormat, digest8, key_digest, seal_problem
+from triton_offload.transfer.seal import (
+    KEYED_WITHOUT_KEY,
+    SEAL_BYTES,
+    SealFormat,
+    digest8,
+    key_digest,
+    seal_problem,
+)
 from triton_offload.transfer.seal_key import SealKey
 from triton_offload.vllm.compat import logger, supported_vllm_api
 from triton_offload.vllm.counters import (
@@ -284,13 +291,18 @@ class ChunkGuard:
 
     def tier_file_problem(self, key: bytes) -> Any:
         """The verdict on a tier's file of ``key``'s chunk (its first row's bytes): short,
-        or a page whose seal, key, configuration or payload checksum fails."""
+        or a page whose seal, key, configuration or payload checksum fails. A keyed file
+        judged by an engine without a seal key is no verdict (None): the engines holding
+        the key own it, and one misconfigured engine must not empty their tier."""
 
         def problem(data: bytes) -> str | None:
             if len(data) < self._row_stride:
                 return f"{len(data)} of {self._row_stride} bytes"
             row = np.frombuffer(data, dtype=np.uint8, count=self._row_stride)
-            return self.row_problem(row, key, check_payload=True)
+            found = self.row_problem(row, key, check_payload=True)
+            if found is not None and KEYED_WITHOUT_KEY in found:
+                return None
+            return found
 
         return problem
 
