@@ -357,6 +357,75 @@ def _item_rows(pairs_ptr, tile_table_ptr, pair, tile_row, valid):
     )
 
 
+@triton.jit
+def _item_addresses(rows, pool_address, pool_row_bytes):
+    """An item's device address in the cache, its address in the pool, its offset in the
+    pool page (what the page sums weigh by; unused without CHECKSUM) and its bytes."""
+    (
+        gpu_block,
+        pool_row,
+        slot,
+        block0_address,
+        block_stride,
+        pool_tile_offset,
+        slot_stride,
+        item_bytes,
+    ) = rows
+    page_offset = pool_tile_offset + slot * slot_stride
+    cache_address = block0_address + gpu_block * block_stride
+    pool_page_address = pool_address + pool_row * pool_row_bytes + page_offset
+    return cache_address, pool_page_address, page_offset, item_bytes
+
+
+@triton.jit
+def _copy_unaligned_words(
+    src,
+    dst,
+    item_bytes,
+    alignment,
+    page_offset,
+    LANES: tl.constexpr,
+    CHECKSUM: tl.constexpr,
+    WRITE: tl.constexpr,
+    page_weights_ptr,
+    KEYED: tl.constexpr,
+):
+    """The words of an item whose addresses (``alignment``: their OR) are not 16-byte
+    aligned: 8-byte words where both allow, else 4-byte words, else none (the byte tail
+    then copies the whole item). Returns the page-sum contribution and the bytes copied."""
+    total = tl.zeros((), dtype=tl.uint64)
+    done = item_bytes * 0
+    if (alignment & 7) == 0:
+        total = _copy_words(
+            src,
+            dst,
+            item_bytes // 8,
+            page_offset,
+            8,
+            LANES,
+            CHECKSUM,
+            WRITE,
+            page_weights_ptr,
+            KEYED,
+        )
+        done = (item_bytes // 8) * 8
+    elif (alignment & 3) == 0:
+        total = _copy_words(
+            src,
+            dst,
+            item_bytes // 4,
+            page_offset,
+            4,
+            LANES,
+            CHECKSUM,
+            WRITE,
+            page_weights_ptr,
+            KEYED,
+        )
+        done = (item_bytes // 4) * 4
+    return total, done
+
+
 # Every runtime argument is left unspecialized, so ONE compiled kernel serves every job:
 # by default Triton specializes a tensor argument on 16-byte alignment and an int on
 # ``== 1`` / divisibility by 16. Per-job tables are often slices (``pairs[3n:]`` is
@@ -474,27 +543,14 @@ def _copy_blocks_kernel(
             pairs_ptr, tile_table_ptr, pair, tile_row0 + tile_in_pair, item < num_items
         )
         while item < num_items:
-            (
-                gpu_block,
-                pool_row,
-                slot,
-                block0_address,
-                block_stride,
-                pool_tile_offset,
-                slot_stride,
-                item_bytes,
-            ) = rows
-            cache_address = block0_address + gpu_block * block_stride
-            pool_page_address = (
-                pool_address + pool_row * pool_row_bytes + pool_tile_offset + slot * slot_stride
+            cache_address, pool_page_address, page_offset, item_bytes = _item_addresses(
+                rows, pool_address, pool_row_bytes
             )
             src = tl.where(to_pool, cache_address, pool_page_address)
             dst = tl.where(to_pool, pool_page_address, cache_address)
-            page_offset = pool_tile_offset + slot * slot_stride  # unused without CHECKSUM
             if CHECKSUM:  # the page's sum: the load's latency hides behind the data's
                 page = tl.load(pair_pages_ptr + pair)
-            # Position of the next item.
-            item += num_programs
+            item += num_programs  # the position of the next item
             tile_in_pair += tile_step
             carry = tile_in_pair >= tiles_per_pair
             tile_in_pair = tl.where(carry, tile_in_pair - tiles_per_pair, tile_in_pair)
@@ -525,43 +581,24 @@ def _copy_blocks_kernel(
                 done = (item_bytes // 16) * 16
             else:
                 rows = _item_rows(pairs_ptr, tile_table_ptr, pair, next_row, valid)
-                if (alignment & 7) == 0:
-                    total = _copy_words(
-                        src,
-                        dst,
-                        item_bytes // 8,
-                        page_offset,
-                        8,
-                        TILE_BYTES // 16,
-                        CHECKSUM,
-                        WRITE,
-                        page_weights_ptr,
-                        KEYED,
-                    )
-                    done = (item_bytes // 8) * 8
-                elif (alignment & 3) == 0:
-                    total = _copy_words(
-                        src,
-                        dst,
-                        item_bytes // 4,
-                        page_offset,
-                        4,
-                        TILE_BYTES // 16,
-                        CHECKSUM,
-                        WRITE,
-                        page_weights_ptr,
-                        KEYED,
-                    )
-                    done = (item_bytes // 4) * 4
-                else:
-                    done = item_bytes * 0
+                total, done = _copy_unaligned_words(
+                    src,
+                    dst,
+                    item_bytes,
+                    alignment,
+                    page_offset,
+                    TILE_BYTES // 16,
+                    CHECKSUM,
+                    WRITE,
+                    page_weights_ptr,
+                    KEYED,
+                )
             # Tail shorter than one word, or the whole item when the addresses are odd.
-            at = page_offset + done
             total += _copy_words(
                 src + done,
                 dst + done,
                 item_bytes - done,
-                at,
+                page_offset + done,
                 1,
                 NARROW_BYTES,
                 CHECKSUM,
