@@ -13,7 +13,9 @@ then a verified one, so that a busy machine slows both alike) and reporting medi
   plus the seal's header work; also the host's CPU seconds per verified GB;
 - here, ``test_engine_keyed_cost``: verified jobs with a seal key (keyed universal
   hashes, ``transfer.seal_key``) against verified jobs without one, on the same paths
-  (goal: keyed >= 0.9 of unkeyed; the rows name ``unkeyed`` and ``keyed``).
+  (goal: keyed >= 0.9 of unkeyed; the rows name ``unkeyed`` and ``keyed``);
+- here, ``test_page_hash_bound``: the CPU path's bound on that ratio, a page's copy and
+  hash with nothing around them (XXH3-64 against ``keyed_ghash64``).
 
 Each row prints and stores in ``extra_info``: GB/s unverified and verified and
 ``ratio`` = verified speed / unverified speed (1.0: free). Run:
@@ -214,3 +216,43 @@ def test_engine_keyed_cost(benchmark: Any, page: int, direction: str) -> None:
 @pytest.mark.parametrize("direction", ["store", "load"])
 def test_engine_keyed_cost_cuda(benchmark: Any, page: int, direction: str, backend: str) -> None:
     _keyed_cost(benchmark, page, direction, "cuda", backend)
+
+
+def _copy_and_hash(pages: np.ndarray, out: np.ndarray, digest: Any) -> Any:
+    """One page at a time: copy it, then hash the copy while it is in cache (the CPU
+    path's order), with none of a job's other work."""
+
+    def run() -> None:
+        for index in range(len(pages)):
+            np.copyto(out[index], pages[index])
+            digest(out[index])
+
+    return run
+
+
+@pytest.mark.parametrize("page", PAGE_SIZES, ids=lambda p: f"{p >> 10}KiB")
+def test_page_hash_bound(benchmark: Any, page: int) -> None:
+    """The CPU path's per-page bound on keyed / unkeyed: a page's copy plus XXH3-64
+    against its copy plus ``keyed_ghash64`` (one AES-GCM GMAC call), nothing else. An
+    engine or worker row exceeds this ratio only by what its per-job costs (the same
+    keyed or not) dilute it."""
+    import xxhash
+
+    count, rounds = _rounds(benchmark)
+    pages = np.random.default_rng(page).integers(0, 256, (count, page), dtype=np.uint8)
+    out = np.empty_like(pages)
+    run = {
+        "unkeyed": _copy_and_hash(pages, out, xxhash.xxh3_64_intdigest),
+        "keyed": _copy_and_hash(pages, out, SealKey(BENCH_KEY).keyed_ghash64),
+    }
+    benchmark.group = f"keyed seals, per page, {page >> 10} KiB pages"
+    benchmark.pedantic(run["keyed"], rounds=1, iterations=1)
+    times = alternate(run, rounds)
+    report(
+        benchmark,
+        f"copy and hash per page, {page >> 10} KiB pages",
+        page * count,
+        times,
+        names=("unkeyed", "keyed"),
+        us_per_page={name: round(seconds / count * 1e6, 3) for name, seconds in times.items()},
+    )
