@@ -422,7 +422,7 @@ def rekey(path: Path, key: bytes, page: int, seal_key: SealKey) -> None:
         row[:page],
         seal.payload_bytes,
         fmt,
-        key_digest(key),
+        key_digest(key, seal_key),
         algorithm="keyed_ghash64",
         seal_key=seal_key,
     )

@@ -26,14 +26,13 @@ universal hash (little-endian, as every integer of the seal). The universal hash
 - ``keyed_ghash64``: the first 8 bytes, little-endian, of AES-256-GCM's tag (GHASH
   subkey, zero 96-bit nonce, no plaintext, the payload as associated data).
 
-NOT IN THE DOCSTRING (taken from the code, reported as a gap): seal_key.py says only
-"Subkeys come from the key file's bytes by keyed BLAKE2b, one per use ... ``tag``,
-``ghash``, ``weights``, ``key id``". It names neither the root step nor the labels;
-:func:`subkeys` is the one part of this judge that follows ``SealKey.__init__``
-(``root = BLAKE2b-256(secret, person=b"triton-offload")``, unkeyed;
-``subkey = BLAKE2b-256(label, key=root)`` with labels ``b"seal tag prf"``,
-``b"seal ghash"``, ``b"seal weights"``, ``b"seal key id"``; the key id is the first 7
-bytes of its subkey). Every other part is the docstrings' construction.
+The subkeys (seal_key.py's docstring): ``root = BLAKE2b-256(secret,
+person=b"triton-offload")``, then ``subkey = BLAKE2b-256(label, key=root)`` with labels
+``b"seal tag prf"``, ``b"seal ghash"``, ``b"seal weights"``, ``b"seal chunk key"`` and
+``b"seal key id"`` (the key id is the first 7 bytes of its subkey). Under a key the key
+digest (bytes 24-31) is the offload key's keyed chunk digest,
+``BLAKE2b(offload key, key=chunk subkey, digest_size=8)``; unkeyed, its XXH3-64 as 8
+big-endian bytes.
 """
 
 from __future__ import annotations
@@ -95,12 +94,12 @@ class Subkeys:
     tag: bytes  # AES-256 key of the CBC-MAC
     ghash: bytes  # AES-256 key of the GMAC (keyed_ghash64)
     weights: bytes  # SHAKE-256 seed of keyed_wsum64's weights
+    chunk: bytes  # BLAKE2b key of the keyed chunk digests
     key_id: bytes  # 7 bytes, written into bytes 49-55 of every keyed seal
 
 
 def subkeys(secret: bytes) -> Subkeys:
-    """The subkeys of a key file's bytes (see the module docstring: this derivation is
-    not in the specification; it is the code's, and the gap is reported)."""
+    """The subkeys of a key file's bytes (see the module docstring)."""
     if not MIN_SECRET_BYTES <= len(secret) <= MAX_SECRET_BYTES:
         raise ValueError(f"a secret of {len(secret)} bytes is no seal key")
     root = hashlib.blake2b(bytes(secret), digest_size=32, person=b"triton-offload").digest()
@@ -112,8 +111,17 @@ def subkeys(secret: bytes) -> Subkeys:
         tag=derive(b"seal tag prf"),
         ghash=derive(b"seal ghash"),
         weights=derive(b"seal weights"),
+        chunk=derive(b"seal chunk key"),
         key_id=derive(b"seal key id")[:KEY_ID_BYTES],
     )
+
+
+def chunk_key_digest(offload_key: bytes, secret: bytes | None) -> bytes:
+    """The seal's key digest of an offload key: keyed BLAKE2b-64 under a key, else its
+    XXH3-64 as 8 big-endian bytes."""
+    if secret is None:
+        return xxhash.xxh3_64_intdigest(offload_key).to_bytes(8, "big")
+    return hashlib.blake2b(offload_key, key=subkeys(secret).chunk, digest_size=8).digest()
 
 
 # --- the universal hashes -------------------------------------------------------------
@@ -331,6 +339,7 @@ __all__ = [
     "SEAL_BYTES",
     "Subkeys",
     "cbc_mac",
+    "chunk_key_digest",
     "expected_seal",
     "expected_unkeyed_seal",
     "keyed_ghash64",

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import keyed_seal_judge as judge
+from triton_offload.transfer import seal
 from triton_offload.transfer.seal_key import (
     KEY_ID_BYTES,
     MAX_KEY_BYTES,
@@ -86,6 +87,20 @@ def test_the_key_id_is_the_judge_s(size: int) -> None:
     assert key.key_id == judge.subkeys(secret).key_id
     assert len(key.key_id) == KEY_ID_BYTES
     assert SealKey(bytearray(secret)).key_id == key.key_id
+
+
+@pytest.mark.parametrize("offload_key", [b"", b"k", bytes(range(36)), os.urandom(300)])
+def test_the_keyed_chunk_digest_is_the_judge_s(offload_key: bytes) -> None:
+    """Under a key a seal names its chunk by keyed BLAKE2b-64 of the offload key (an
+    XXH3 collision searched offline must not let one chunk pass for another)."""
+    key = SealKey(SECRET)
+    assert key.chunk_digest(offload_key) == judge.chunk_key_digest(offload_key, SECRET)
+    many = [offload_key, b"other", offload_key]
+    rows = key.chunk_digests(many)
+    assert rows.shape == (3, 8) and rows.dtype == np.uint8
+    assert [bytes(row) for row in rows] == [judge.chunk_key_digest(k, SECRET) for k in many]
+    assert key.chunk_digest(offload_key) != SealKey(bytes(range(7, 39))).chunk_digest(offload_key)
+    assert judge.chunk_key_digest(offload_key, None) == seal.key_digest(offload_key)
 
 
 def test_different_secrets_have_different_key_ids_and_hashes() -> None:
@@ -288,6 +303,27 @@ def test_a_large_file_is_refused(tmp_path: Path, size: int) -> None:
 def test_a_file_others_can_use_is_refused(tmp_path: Path, mode: int) -> None:
     text = refusal(key_file(tmp_path, os.urandom(32), mode), f"mode {mode:04o}")
     assert "chmod 600" in text
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o770, 0o757])
+def test_a_key_in_a_folder_others_can_write_is_refused(tmp_path: Path, mode: int) -> None:
+    """Whoever can write the key's folder can rename the key away and put their own file
+    under its name: refused, naming the folder; with the sticky bit (as /tmp) they
+    cannot, and the key is accepted."""
+    folder = tmp_path / "keys"
+    folder.mkdir()
+    path = key_file(folder, os.urandom(32))
+    folder.chmod(mode)
+    text = refusal(path, f"mode {mode:04o}")
+    assert repr(str(folder)) in text and "chmod go-w" in text
+    folder.chmod(mode | stat.S_ISVTX)
+    SealKey.from_file(path)
+    folder.chmod(0o700)
+    nested = folder / "deeper"
+    nested.mkdir(mode=0o700)
+    inner = key_file(nested, os.urandom(32))
+    folder.chmod(mode)
+    refusal(inner, f"its folder {str(folder)!r} has mode {mode:04o}")
 
 
 def test_a_symlink_to_a_good_key_file_is_refused(tmp_path: Path) -> None:

@@ -238,19 +238,20 @@ def test_an_engine_without_the_key_never_removes_a_keyed_tier_file(seal_key_file
     page = 4096
     digest = b"c" * 8
     row = np.random.default_rng(5).integers(0, 256, page, dtype=np.uint8)
+    seal_key = SealKey.from_file(seal_key_file)
     write_seal(
         row,
         page - SEAL_BYTES,
         SealFormat(digest, b"l" * 8, 0, 1),
-        key_digest(b"chunk"),
+        key_digest(b"chunk", seal_key),
         algorithm="keyed_ghash64",
-        seal_key=SealKey.from_file(seal_key_file),
+        seal_key=seal_key,
     )
     common = {"row_stride": page, "page_bytes": page, "page_count": 1, "digest": digest}
     unkeyed = ChunkGuard(**common)
     assert "no seal key" in str(unkeyed.row_problem(row, b"chunk", check_payload=True))
     assert unkeyed.tier_file_problem(b"chunk")(row.tobytes()) is None
-    keyed = ChunkGuard(**common, seal_key=SealKey.from_file(seal_key_file))
+    keyed = ChunkGuard(**common, seal_key=seal_key)
     assert keyed.tier_file_problem(b"chunk")(row.tobytes()) is None
     other = ChunkGuard(**common, seal_key=SealKey(bytes(range(32))))
     assert "forgery" in str(other.tier_file_problem(b"chunk")(row.tobytes()))

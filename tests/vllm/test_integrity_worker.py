@@ -340,7 +340,7 @@ def test_keyed_seals_load_under_their_key_and_refuse_a_forgery(
             pages[0],
             payload,
             sealer.format,
-            seal_module.key_digest(key(0)),
+            seal_module.key_digest(key(0), other),
             algorithm=KEYED_ALGORITHM[backend],
             seal_key=other,
         )
@@ -388,11 +388,61 @@ def test_a_page_keyed_on_another_kind_of_host_is_checked_on_this_one(
     try:
         store_all(worker)
         sealer = worker.sealer
-        sealer.seal(0, 0, seal_module.key_digest(key(0)), algorithm="keyed_ghash64")
+        sealer.seal(
+            0, 0, seal_module.key_digest(key(0), sealer.seal_key), algorithm="keyed_ghash64"
+        )
         assert _load_chunk_0(worker, 3).success
         assert sealer.host_checked_pages == 1
         pages_of(worker)[0, 5] ^= 0x10
         result = _load_chunk_0(worker, 4)
         assert not result.success and "payload checksum mismatch" in result.problem
+    finally:
+        worker.shutdown()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_keyed_page_does_not_pass_for_a_chunk_whose_unkeyed_digest_collides(
+    backend: str, seal_key_file: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Unkeyed, a seal names its chunk by the offload key's XXH3-64, whose collisions a
+    writer of the tier can search offline for two prompts of their own, then swap one
+    chunk's file for the other's. Under a key the seal names the chunk by a digest only
+    the key makes: with every XXH3-64 digest made to collide, chunk 0's page still
+    loads as chunk 0 and is refused as chunk 1."""
+    monkeypatch.setattr(seal_module.xxhash, "xxh3_64_digest", lambda data: bytes(8))
+    _, _, worker = keyed_worker(backend, seal_key_file)
+    try:
+        store_all(worker)
+        assert _load_chunk_0(worker, 2).success
+        worker.counters.drain()
+        gpu = GPULoadStoreSpec([9, 10], [2, 0], [0, 0])
+        assert worker.submit_load(3, KeyedCPULoadStoreSpec([0], [key(1)]), gpu)
+        result = finish(worker, 3)
+        assert not result.success and "another key's chunk" in result.problem
+        assert result.bad_keys == (key(1),)
+    finally:
+        worker.shutdown()
+
+
+def test_a_keyed_worker_refuses_a_host_spec_without_chunk_keys(seal_key_file: Any) -> None:
+    """vLLM's plain host spec carries no chunk keys; under a key its seals would name no
+    chunk, so any page of this configuration would pass for another chunk's: refused
+    before any byte moves, naming the spec, and the worker stays usable."""
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+    _, _, worker = keyed_worker("torch", seal_key_file)
+    try:
+        store_all(worker)
+        before = pages_of(worker).copy()
+        gpu = GPULoadStoreSpec([9, 10], [2, 0], [0, 0])
+        for submit in (worker.submit_store, worker.submit_load):
+            with pytest.raises(ValueError, match="CPULoadStoreSpec carries no chunk keys"):
+                if submit == worker.submit_store:
+                    submit(7, gpu, CPULoadStoreSpec([0]))
+                else:
+                    submit(7, CPULoadStoreSpec([0]), gpu)
+        assert np.array_equal(pages_of(worker), before)
+        assert worker.get_finished() == []
+        assert _load_chunk_0(worker, 8).success
     finally:
         worker.shutdown()

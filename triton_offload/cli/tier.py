@@ -204,7 +204,7 @@ def offline_problem(data: bytes, key: bytes, page_bytes: int, seal_key: Any = No
     count = first.page_count
     if len(data) < count * page_bytes:
         return f"{len(data)} bytes, shorter than its {count} pages of {page_bytes} bytes"
-    digest = key_digest(key)
+    digest = key_digest(key, seal_key)
     for index in range(count):
         fmt = SealFormat(first.config_digest, bytes(8), index, count)
         page = row[index * page_bytes : (index + 1) * page_bytes]

@@ -143,15 +143,21 @@ def digest8(data: bytes | str) -> bytes:
     return hashlib.blake2b(data, digest_size=8).digest()
 
 
-def key_digest(key: bytes | None) -> bytes:
+def key_digest(key: bytes | None, seal_key: SealKey | None = None) -> bytes:
     """The seal's digest of an offload key: its XXH3-64 (seed 0) as 8 big-endian bytes,
-    :data:`NO_KEY` for None. Computed once per chunk of every verified job: XXH3 costs a
-    quarter of BLAKE2b's ~0.6 us per key (16% of an 8 KiB-page load's time, profiled)."""
-    return NO_KEY if key is None else xxhash.xxh3_64_digest(key)
+    :data:`NO_KEY` for None; with a seal key, the key's keyed chunk digest
+    (:meth:`SealKey.chunk_digest`: XXH3 collisions can be searched offline). Computed
+    once per chunk of every verified job: XXH3 costs a quarter of BLAKE2b's ~0.6 us per
+    key (16% of an 8 KiB-page load's time, profiled), so unkeyed seals keep it."""
+    if key is None:
+        return NO_KEY
+    return xxhash.xxh3_64_digest(key) if seal_key is None else seal_key.chunk_digest(key)
 
 
-def key_digests(keys: Sequence[bytes]) -> np.ndarray:
+def key_digests(keys: Sequence[bytes], seal_key: SealKey | None = None) -> np.ndarray:
     """``[len(keys), 8]`` uint8: :func:`key_digest` of each key, in one pass."""
+    if seal_key is not None:
+        return seal_key.chunk_digests(keys)
     joined = b"".join(map(xxhash.xxh3_64_digest, keys))
     return np.frombuffer(joined, dtype=np.uint8).reshape(len(keys), 8)
 
@@ -570,7 +576,7 @@ def header_problems(
         checks.append(
             (
                 keyed,
-                lambda i: "keyed seal, and this engine has no seal key to check it (seal_key_file)",
+                lambda i: KEYED_WITHOUT_KEY,
             )
         )
     checks.append(

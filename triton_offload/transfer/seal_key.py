@@ -20,6 +20,13 @@ two steps so that the pass over the payload stays where the bytes move:
      over GF(2**128) (collision probability at most ``(L/16 + 1) * 2**-64`` for an
      ``L``-byte payload, truncated to 64 bits), at ~22 GB/s on one core with AES-NI.
 
+The seal's key digest (bytes 24-31) names the chunk's offload key; unkeyed it is the
+key's XXH3-64, which anyone can compute and whose collisions a forger can search offline
+(about 2**32 work) for two chunks of prompts they choose, then swap one chunk's file for
+the other's. Under a key it is the key's *keyed chunk digest* instead:
+``BLAKE2b(offload key, key=chunk subkey, digest_size=8)``, which nobody without the key
+can compute or search for collisions.
+
 2. **A PRF over the chunk's identity and that hash**: AES-256 CBC-MAC (zero IV) with
    the tag subkey over exactly three 16-byte blocks (fixed length, so CBC-MAC is a PRF):
    seal bytes 8-23 (``config digest | layout digest``), bytes 24-31 and 40-47 (``key
@@ -44,8 +51,9 @@ Subkeys come from the key file's bytes, one per use, so no subkey is used for tw
 things: ``root = BLAKE2b-256(secret, person=b"triton-offload")`` (the file may be longer
 than a BLAKE2b key), then ``BLAKE2b-256(label, key=root)`` for the labels
 ``b"seal tag prf"`` (the AES-256 tag key), ``b"seal ghash"`` (the AES-256 GHASH key),
-``b"seal weights"`` (the SHAKE-256 input of the weights) and ``b"seal key id"`` (its first
-7 bytes are the key id).
+``b"seal weights"`` (the SHAKE-256 input of the weights), ``b"seal chunk key"`` (the
+BLAKE2b key of the keyed chunk digests) and ``b"seal key id"`` (its first 7 bytes are the
+key id).
 """
 
 from __future__ import annotations
@@ -54,6 +62,7 @@ import hashlib
 import os
 import stat
 import threading
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -78,6 +87,32 @@ def _cryptography() -> tuple[type, type, type, type]:
     return AESGCM, Cipher, algorithms.AES, modes.ECB
 
 
+def _check_key_folders(name: str, what: str) -> None:
+    """Refuse a key whose folder, or any folder above it, another user could change:
+    owned by a user other than this one or root, or writable by group or others without
+    the sticky bit (there anyone who can write may rename the key away and put their
+    own file under its name)."""
+    folder = os.path.dirname(os.path.abspath(name))
+    while True:
+        info = os.stat(folder)
+        if info.st_uid not in (os.geteuid(), 0):
+            raise ValueError(
+                f"{what} {name!r}: its folder {folder!r} belongs to uid {info.st_uid}, who "
+                "could replace the key; keep it in folders of this user or root"
+            )
+        if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
+            raise ValueError(
+                f"{what} {name!r}: its folder {folder!r} has mode "
+                f"{stat.S_IMODE(info.st_mode):04o}: other users can rename the key away "
+                "and put their own in its place; make the folder writable by this user "
+                "only (chmod go-w)"
+            )
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            return
+        folder = parent
+
+
 class SealKey:
     """The subkeys of one seal key (the bytes of ``seal_key_file``).
 
@@ -100,6 +135,8 @@ class SealKey:
         self._tag_key = derive(b"seal tag prf")
         self._ghash_key = derive(b"seal ghash")
         self._weights_seed = derive(b"seal weights")
+        # Copied per digest: a keyed BLAKE2b state costs more to set up than to copy.
+        self._chunk_state = hashlib.blake2b(key=derive(b"seal chunk key"), digest_size=8)
         #: Names the key in every seal it makes (reveals nothing about the key).
         self.key_id = derive(b"seal key id")[:KEY_ID_BYTES]
         self._weights = np.zeros(0, dtype=np.uint64)
@@ -113,7 +150,8 @@ class SealKey:
         """The key in ``path``: a regular file of :data:`MIN_KEY_BYTES` to
         :data:`MAX_KEY_BYTES` bytes, not a symlink, owned by this process's user and
         neither group- nor world-accessible (a key
-        others can read lets them forge; one others can write lets them choose it).
+        others can read lets them forge; one others can write lets them choose it), in
+        folders no other user can write to (sticky folders such as /tmp aside).
         ValueError names the file and what is wrong."""
         name = os.fspath(path)
         try:
@@ -138,6 +176,7 @@ class SealKey:
                     f"{what} {name!r} has mode {stat.S_IMODE(info.st_mode):04o}: other users "
                     "can read or write it; make it readable by this user only (chmod 600)"
                 )
+            _check_key_folders(name, what)
             secret = os.read(fd, MAX_KEY_BYTES + 1)
         finally:
             os.close(fd)
@@ -149,6 +188,19 @@ class SealKey:
         if len(secret) > MAX_KEY_BYTES:
             raise ValueError(f"{what} {name!r} is larger than {MAX_KEY_BYTES} bytes: not a key")
         return cls(secret)
+
+    # ---------------------------------------------------------- keyed chunk digests
+
+    def chunk_digest(self, key: bytes) -> bytes:
+        """The keyed chunk digest of one offload key (8 bytes)."""
+        state = self._chunk_state.copy()
+        state.update(key)
+        return state.digest()
+
+    def chunk_digests(self, keys: Sequence[bytes]) -> np.ndarray:
+        """``[len(keys), 8]`` uint8: :meth:`chunk_digest` of each key."""
+        joined = b"".join(map(self.chunk_digest, keys))
+        return np.frombuffer(joined, dtype=np.uint8).reshape(len(keys), 8)
 
     # ------------------------------------------------------------- universal hashes
 

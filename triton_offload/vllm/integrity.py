@@ -280,7 +280,7 @@ class ChunkGuard:
             problem = seal_problem(
                 row[start : start + self.page_bytes],
                 fmt,
-                key_digest(key),
+                key_digest(key, self.seal_key),
                 check_layout=False,
                 check_payload=check_payload,
                 seal_key=self.seal_key,

@@ -19,6 +19,7 @@ import numpy as np
 from triton_offload.transfer.jobs import TO_POOL, JobSpec
 from triton_offload.transfer.pointers import GroupPlanes, blocks_from_pointers
 from triton_offload.transfer.seal import PageSealer, key_digests
+from triton_offload.transfer.seal_key import SealKey
 from triton_offload.vllm.compat import logger, supported_vllm_api
 from triton_offload.vllm.convert import split_job
 from triton_offload.vllm.counters import (
@@ -92,13 +93,15 @@ class JobChunks:
     digests: np.ndarray | None
 
     @classmethod
-    def of(cls, job: JobSpec, keys: tuple[bytes, ...] | None) -> JobChunks:
+    def of(
+        cls, job: JobSpec, keys: tuple[bytes, ...] | None, seal_key: SealKey | None = None
+    ) -> JobChunks:
         sizes = [int(chunks.size) for chunks in job.host_blocks]
         groups = np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
         starts = np.repeat(np.cumsum([0, *sizes[:-1]]), sizes) if sizes else np.zeros(0)
         indices = np.arange(groups.size, dtype=np.int64) - starts.astype(np.int64)
         chunks = np.concatenate([np.zeros(0, np.int64), *job.host_blocks]).astype(np.int64)
-        digests = None if keys is None else key_digests(keys)
+        digests = None if keys is None else key_digests(keys, seal_key)
         return cls(groups, indices, chunks, keys, digests)
 
     def checksums_of(self, checksums: Any) -> np.ndarray:
@@ -246,12 +249,30 @@ class TritonOffloadingWorker(RELEASE.SubmitSignatures, OffloadingWorker):  # typ
 
     # --------------------------------------------------------------- submit
 
+    def _chunks(self, what: str, job: JobSpec, host_spec: Any) -> JobChunks | None:
+        """The chunks a verified job seals or checks (None: unverified). Under a seal key
+        a host spec without the chunks' keys is refused before any byte moves: its seals
+        would name no chunk, so any page sealed in this configuration would pass for
+        another chunk's."""
+        if self.sealer is None:
+            return None
+        keys = spec_keys(host_spec)
+        seal_key = self.sealer.seal_key
+        if keys is None and seal_key is not None:
+            raise ValueError(
+                f"{what}: {type(host_spec).__name__} carries no chunk keys, and keyed seals "
+                "bind every page to its chunk's key (the host specs get their keys from "
+                "this backend's spec; a spec built without them cannot use seal_key_file)"
+            )
+        return JobChunks.of(job, keys, seal_key)
+
     def _store(self, job_id: Any, gpu: tuple[str, Any], dst_spec: Any) -> bool:
         if self._closed:
             return False
         what = f"submit_store(job {job_id!r})"
         job = self._job(what, gpu, ("dst_spec", dst_spec))
         self._check_new(job_id, what)
+        sealed = self._chunks(what, job, dst_spec)
         chunks = None
         if self.ledger is not None:
             check_ledger_job_id(job_id, what)
@@ -270,8 +291,8 @@ class TritonOffloadingWorker(RELEASE.SubmitSignatures, OffloadingWorker):  # typ
             self._engine_jobs.add(job_id)
             if chunks is not None:
                 self._published[job_id] = chunks
-            if self.sealer is not None:
-                self._to_seal[job_id] = JobChunks.of(job, spec_keys(dst_spec))
+            if sealed is not None:
+                self._to_seal[job_id] = sealed
 
         def unregister() -> None:
             self._engine_jobs.discard(job_id)
@@ -321,7 +342,7 @@ class TritonOffloadingWorker(RELEASE.SubmitSignatures, OffloadingWorker):  # typ
             return True
         # Nothing is checked here: the copy starts at once, its pages' checksums are
         # computed where the bytes move, and the verdict joins the job's completion.
-        chunks = JobChunks.of(job, spec_keys(src_spec)) if self.sealer is not None else None
+        chunks = self._chunks(what, job, src_spec)
         checksum = chunks is not None
 
         def register() -> None:
@@ -358,7 +379,7 @@ class TritonOffloadingWorker(RELEASE.SubmitSignatures, OffloadingWorker):  # typ
             what = f"submit_layered_loads(job {job_id!r})"
             job = self._job(what, ("dst_spec", gpu_spec), ("src_spec", src_spec))
             self._check_new(job_id, what)
-            chunks = JobChunks.of(job, spec_keys(src_spec)) if self.sealer is not None else None
+            chunks = self._chunks(what, job, src_spec)
             specs.append((job_id, job))
             books.append((job_id, job, chunks))
         # Books opened first and closed only for jobs the engine does not hold, as in
