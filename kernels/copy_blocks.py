@@ -395,6 +395,7 @@ def _copy_unaligned_words(
     then copies the whole item). Returns the page-sum contribution and the bytes copied."""
     total = tl.zeros((), dtype=tl.uint64)
     done = item_bytes * 0
+    # One call per word size: WORD is a constexpr, so each size is its own code path.
     if (alignment & 7) == 0:
         total = _copy_words(
             src,

@@ -36,14 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from triton_offload.transfer.seal import (
-    KEYED_WITHOUT_KEY,
-    SEAL_BYTES,
-    SealFormat,
-    digest8,
-    key_digest,
-    seal_problem,
-)
+from triton_offload.transfer.seal import SEAL_BYTES, SealFormat, digest8, key_digest, seal_problem
 from triton_offload.transfer.seal_key import SealKey
 from triton_offload.vllm.compat import logger, supported_vllm_api
 from triton_offload.vllm.counters import (
@@ -274,13 +267,14 @@ class ChunkGuard:
         """Why the uint8 ``row`` is not ``key``'s chunk in this configuration: every
         page's seal (the row layout digest, a worker fact, is not checked)."""
         assert self.digest is not None
+        chunk_digest = key_digest(key, self.seal_key)
         for page_index in range(self.page_count):
             start = page_index * self.page_bytes
             fmt = SealFormat(self.digest, bytes(8), page_index, self.page_count)
             problem = seal_problem(
                 row[start : start + self.page_bytes],
                 fmt,
-                key_digest(key, self.seal_key),
+                chunk_digest,
                 check_layout=False,
                 check_payload=check_payload,
                 seal_key=self.seal_key,
@@ -300,7 +294,7 @@ class ChunkGuard:
                 return f"{len(data)} of {self._row_stride} bytes"
             row = np.frombuffer(data, dtype=np.uint8, count=self._row_stride)
             found = self.row_problem(row, key, check_payload=True)
-            if found is not None and KEYED_WITHOUT_KEY in found:
+            if found is not None and refusal_reason(found) == "keyed":
                 return None
             return found
 
