@@ -296,3 +296,65 @@ def test_copy_and_hash_pages_of_an_empty_job_hashes_nothing() -> None:
         flat,
     )
     assert (hashed.page_bytes, hashed.rows.size, hashed.values.size) == (0, 0, 0)
+
+
+def test_copy_and_hash_threads_take_batches_as_they_free_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A thread held up in its first batch does not hold back batches of its own: the
+    other threads take every remaining batch (each batch run exactly once), and the job's
+    bytes and row hashes are those of the copy."""
+    monkeypatch.setattr(cpu_copy, "SMALL_JOB_PAGES", 0)
+    monkeypatch.setattr(cpu_copy, "HOT_BATCH_BYTES", 1)  # one row a batch
+    monkeypatch.setattr(cpu_copy, "COPY_THEN_HASH_BYTES", 0)
+    monkeypatch.setattr(cpu_copy, "PARALLEL_MIN_JOB_BYTES", 0)
+    monkeypatch.setattr(cpu_copy, "PARALLEL_MIN_RUN_BYTES", 0)
+    monkeypatch.setattr(cpu_copy, "copy_threads", lambda: 3)
+    cache = torch.empty(16, 64, dtype=torch.uint8)
+    random_bytes(cache, 3)
+    layout = build_layout([[cache]], num_groups=1, blocks_per_chunk=1)
+    rows = 9
+    pool = torch.zeros(rows, layout.row_bytes, dtype=torch.uint8)
+    pairs = np.array([[block, block, 0] for block in range(rows)], dtype=np.int64)
+    offsets = np.array([0, rows], dtype=np.int64)
+    others_done = threading.Event()
+    held: list[str] = []
+    hashed_by: dict[str, int] = {}
+    lock = threading.Lock()
+
+    def digest(data: memoryview) -> int:
+        name = threading.current_thread().name
+        with lock:
+            first = not held
+            if first:
+                held.append(name)
+        if first:
+            # Released once every other row is hashed: with fixed shares this thread's
+            # later batches would still be waiting for it, and the wait would time out.
+            others_done.wait(timeout=60)
+        with lock:
+            hashed_by[name] = hashed_by.get(name, 0) + 1
+            if sum(hashed_by.values()) == rows - 1 and not first:
+                others_done.set()
+        return xxhash.xxh3_64_intdigest(data)
+
+    flat = cpu_copy.pool_bytes(pool.data_ptr(), layout.row_bytes, rows, layout.row_bytes)
+    hashed = cpu_copy.copy_and_hash_pages(
+        layout,
+        pool.data_ptr(),
+        layout.row_bytes,
+        pairs,
+        offsets,
+        Direction.TO_POOL,
+        flat,
+        digest=digest,
+    )
+    assert others_done.is_set(), "the held thread's other batches waited for it"
+    assert hashed_by[held[0]] == 1 and sum(hashed_by.values()) == rows
+    assert torch.equal(pool[:, : cache.shape[1]], cache[:rows])
+    assert hashed.rows.tolist() == list(range(rows))
+    want = [
+        xxhash.xxh3_64_intdigest(pool[r, : layout.group_row_bytes[0]].numpy().tobytes())
+        for r in range(rows)
+    ]
+    assert hashed.values.tolist() == want

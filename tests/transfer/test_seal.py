@@ -611,6 +611,13 @@ def test_accepted_is_true_exactly_where_each_page_s_verdict_is_none(algorithm: s
     )
     fine = [verdict is None for verdict in host_verdicts(pages, rows, groups, keys)]
     assert sealer.accepted(rows, groups, key_rows(keys), sums, algorithm).tolist() == fine
+    # The job-wide verdict: every page, or only the fine ones.
+    assert not sealer.all_accepted(rows, groups, key_rows(keys), sums, algorithm)
+    good = np.flatnonzero(fine)
+    assert good.size > 0
+    assert sealer.all_accepted(
+        rows[good], groups[good], key_rows([keys[i] for i in good]), sums[good], algorithm
+    )
     # Without keys the key is not checked: the page a load asked for under another key
     # is accepted, the others as before.
     anykey = sealer.accepted(rows, groups, None, sums, algorithm).tolist()
@@ -629,9 +636,12 @@ def test_accepted_refuses_a_page_with_any_seal_byte_changed(offset: int) -> None
     sums = np.array([11, 2**64 - 3], dtype=np.uint64)
     sealer.seal_pages(rows, groups, keys, sums, "xxh3_64")
     assert sealer.accepted(rows, groups, keys, sums, "xxh3_64").tolist() == [True, True]
+    assert sealer.all_accepted(rows, groups, keys, sums, "xxh3_64")
     pages[5, pages.shape[1] - SEAL_BYTES + offset] ^= 0x10
     assert sealer.accepted(rows, groups, keys, sums, "xxh3_64").tolist() == [True, False]
     assert sealer.accepted(rows, groups, None, sums, "xxh3_64").tolist() == [True, False]
+    assert not sealer.all_accepted(rows, groups, keys, sums, "xxh3_64")
+    assert not sealer.all_accepted(rows, groups, None, sums, "xxh3_64")
 
 
 # --- 8. keyed seals -------------------------------------------------------------------

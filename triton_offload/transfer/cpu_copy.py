@@ -42,7 +42,7 @@ import ctypes
 import functools
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple, TypeVar
 
@@ -361,6 +361,15 @@ def _copy_small(
     return moved
 
 
+def _sorted_unique(values: np.ndarray) -> np.ndarray:
+    """``np.unique(values)`` for a 1-D int64 array, in three numpy calls."""
+    ordered = np.sort(values)
+    keep = np.empty(ordered.size, dtype=bool)
+    keep[:1] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=keep[1:])
+    return ordered[keep]
+
+
 class HashedCopy(NamedTuple):
     """A checksummed job's copy: the bytes it moved, every pool row its pairs name
     (ascending, int64) with the XXH3-64 of the row's payload (its group's row bytes) as
@@ -411,16 +420,19 @@ def copy_and_hash_pages(
                 row_group[row] = group
         row_list = sorted(row_group)
         lengths = [payload[row_group[row]] for row in row_list]
+    elif len(set(payload)) == 1:
+        # Every row the same length: the rows alone (np.unique's inverse, which the
+        # lengths of mixed groups need, costs more than the sort itself).
+        rows = _sorted_unique(pairs[:, 1])
+        row_list = rows.tolist()
+        lengths = [payload[0]] * len(row_list)
     else:
         rows, pair_rows = np.unique(pairs[:, 1], return_inverse=True)
         row_list = rows.tolist()
-        if len(set(payload)) == 1:
-            lengths = [payload[0]] * len(row_list)
-        else:
-            groups = np.repeat(np.arange(len(bounds) - 1, dtype=np.int64), np.diff(group_offsets))
-            row_lengths = np.empty(rows.size, dtype=np.int64)
-            row_lengths[pair_rows] = np.asarray(payload, np.int64)[groups]
-            lengths = row_lengths.tolist()
+        groups = np.repeat(np.arange(len(bounds) - 1, dtype=np.int64), np.diff(group_offsets))
+        row_lengths = np.empty(rows.size, dtype=np.int64)
+        row_lengths[pair_rows] = np.asarray(payload, np.int64)[groups]
+        lengths = row_lengths.tolist()
     if sum(lengths) <= COPY_THEN_HASH_BYTES:
         # The whole job is still in cache when its copy ends: copy it as an unhashed job
         # (fewest runs, least bookkeeping), then hash its rows.
@@ -434,8 +446,8 @@ def copy_and_hash_pages(
         ]
         seconds = time.perf_counter() - started
         return HashedCopy(moved, np.array(row_list, np.int64), np.array(values, np.uint64), seconds)
-    if pairs.shape[0] <= SMALL_JOB_PAGES:
-        rows, pair_rows = np.unique(pairs[:, 1], return_inverse=True)
+    # The batches need every pair's row (its index in ``rows``).
+    rows, pair_rows = np.unique(pairs[:, 1], return_inverse=True)
     builder = RunBuilder(layout) if runs is None else runs
     job = builder.runs(
         pool_address, pool_row_bytes, pairs, group_offsets, direction, planes, by_row=True
@@ -468,12 +480,12 @@ def copy_and_hash_pages(
     batches = len(row_bounds) - 1
     threads = min(_threads_for(job), batches)
     if threads > 1:
-        # Interleaved batches: each thread copies and hashes its own rows.
-        seconds = sum(
-            _run_shares(
-                [functools.partial(work.run, range(i, batches, threads)) for i in range(threads)]
-            )
-        )
+        # Each thread takes the next batch not yet taken (one shared iterator: next() on
+        # it is atomic under the GIL): a thread that started late or runs slower takes
+        # fewer. Fixed shares (every other batch) left one thread up to ~1.5 ms behind
+        # the other on 64 MiB loads here, the job waiting for it.
+        batch_queue = iter(range(batches))
+        seconds = sum(_run_shares([functools.partial(work.run, batch_queue)] * threads))
     else:
         seconds = work.run(range(batches))
     return HashedCopy(job.page_bytes, rows, np.array(work.values, np.uint64), seconds)
@@ -495,8 +507,10 @@ class _HashWork(NamedTuple):
     values: list[int]  # filled in by run(), one slot per row
     digest: Callable[[memoryview], int]
 
-    def run(self, batches: range) -> float:
-        """Copy and hash ``batches``; returns the seconds spent hashing."""
+    def run(self, batches: Iterable[int]) -> float:
+        """Copy and hash ``batches`` (batch numbers; an iterator may be shared between
+        threads, each batch then run by the thread that takes it); returns the seconds
+        this thread spent hashing."""
         hashing = 0.0
         pool, starts, lengths, digest = self.pool, self.row_starts, self.row_lengths, self.digest
         for index in batches:

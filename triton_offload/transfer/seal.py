@@ -368,6 +368,11 @@ def _header_words_check(words: np.ndarray) -> np.ndarray:
     return halves.sum(axis=1, dtype=np.uint64)
 
 
+#: The header check's weights of u32 halves 6-9: a seal's words 3 and 4 (key digest and
+#: checksum), the only words that differ between the pages of one group.
+_PAGE_WORD_WEIGHTS = wsum64_weights(14)[6:10]
+
+
 def header_checks(records: np.ndarray) -> np.ndarray:
     """The header check of each record (``wsum64`` of its first 56 bytes), uint64."""
     raw = records.view(np.uint8).reshape(-1, SEAL_BYTES)[:, :_CHECKED_BYTES]
@@ -707,14 +712,18 @@ class PageSealer:
         # 3 key digest, 4 payload checksum (keyed: the tag), 5 length | index << 32 |
         # count << 48 (by group), 6 algorithm id | key id << 8 (zero without a key),
         # 7 header check.
-        self._fixed = np.frombuffer(
-            SEAL_MAGIC + fmt.config_digest + fmt.layout_digest, dtype="<u8"
-        ).astype(np.uint64)
-        self._place = (
+        fixed = np.frombuffer(SEAL_MAGIC + fmt.config_digest + fmt.layout_digest, dtype="<u8")
+        place = (
             self._payload.astype(np.uint64)
             | np.uint64(fmt.page_index << 32)
             | np.uint64(fmt.page_count << 48)
         )
+        #: Per group, the seal's words that do not depend on the page (0-2 and 5; 6 per
+        #: algorithm, added in :meth:`_templates`), words 3 and 4 zero.
+        self._group_words = np.zeros((len(self.group_payload), 8), dtype="<u8")
+        self._group_words[:, :3] = fixed
+        self._group_words[:, 5] = place
+        self._templates_by_algorithm: dict[str, np.ndarray] = {}
         #: Pages this sealer checked on the host because their seal names an algorithm
         #: the load's path does not compute (a page sealed on another kind of host).
         self.host_checked_pages = 0
@@ -741,31 +750,43 @@ class PageSealer:
         raw = self.pages[np.asarray(chunks, dtype=np.int64), self.room :]
         return np.ascontiguousarray(raw).view(RECORD).reshape(-1)
 
+    def _templates(self, algorithm: str) -> np.ndarray:
+        """Per group, the seal of a page by ``algorithm`` with key digest and checksum
+        zero (``[groups, 8]`` u64): word 7 holds the header check of the other words,
+        to which the page's words 3 and 4 add their own share (the check is a sum)."""
+        templates = self._templates_by_algorithm.get(algorithm)
+        if templates is None:
+            number = _check_algorithm(algorithm)
+            keyed = algorithm in KEYED_ALGORITHMS
+            if keyed != (self.seal_key is not None):
+                raise ValueError(
+                    f"checksum algorithm {algorithm!r} with "
+                    f"{'a' if self.seal_key is not None else 'no'} seal key: a keyed sealer "
+                    "seals and accepts keyed checksums only, an unkeyed one unkeyed ones"
+                )
+            templates = self._group_words.copy()
+            templates[:, 6] = number
+            if self.seal_key is not None:
+                templates[:, 6] |= _key_id_word(self.seal_key)
+            templates[:, 7] = _header_words_check(templates)
+            templates.flags.writeable = False
+            self._templates_by_algorithm[algorithm] = templates
+        return templates
+
     def _words(
         self, groups: np.ndarray, keys: np.ndarray, checksums: np.ndarray, algorithm: str
     ) -> np.ndarray:
         """The seals of pages of ``groups`` with these key digests and checksums, as
         ``[n, 8]`` u64 words, header checks included (the bytes :func:`seal_records`
         writes, built without a structured array)."""
-        number = _check_algorithm(algorithm)
-        keyed = algorithm in KEYED_ALGORITHMS
-        if keyed != (self.seal_key is not None):
-            raise ValueError(
-                f"checksum algorithm {algorithm!r} with "
-                f"{'a' if self.seal_key is not None else 'no'} seal key: a keyed sealer seals "
-                "and accepts keyed checksums only, an unkeyed one unkeyed ones"
-            )
-        words = np.empty((len(groups), 8), dtype="<u8")
-        words[:, :3] = self._fixed
+        words = self._templates(algorithm)[groups]
         words[:, 3] = np.ascontiguousarray(keys, dtype=np.uint8).reshape(-1, 8).view("<u8")[:, 0]
-        words[:, 5] = self._place[groups]
-        words[:, 6] = number
         if self.seal_key is not None:
-            words[:, 6] |= _key_id_word(self.seal_key)
             words[:, 4] = self.seal_key.tags(words, np.asarray(checksums, dtype=np.uint64))
         else:
             words[:, 4] = checksums
-        words[:, 7] = _header_words_check(words)
+        # The check's share of words 3 and 4 (u32 halves 6-9 of the sum).
+        words[:, 7] += words[:, 3:5].view("<u4").astype(np.uint64) @ _PAGE_WORD_WEIGHTS
         return words
 
     def seal_pages(
@@ -794,13 +815,38 @@ class PageSealer:
         verdict of a page as one comparison of its 64 seal bytes (bool ``[n]``). A page
         not accepted here has a problem :meth:`header_problems` and
         :meth:`payload_problems` name (or was sealed by the other algorithm)."""
-        stored = np.ascontiguousarray(self.pages[np.asarray(chunks, dtype=np.int64), self.room :])
-        stored_words = stored.view("<u8")
+        stored, expected = self._stored_and_expected(chunks, groups, keys, checksums, algorithm)
+        return (stored == expected).all(axis=1)
+
+    def all_accepted(
+        self,
+        chunks: np.ndarray,
+        groups: np.ndarray,
+        keys: np.ndarray | None,
+        checksums: np.ndarray,
+        algorithm: str,
+    ) -> bool:
+        """Whether :meth:`accepted` holds for every page (one comparison of the job's
+        seal bytes: a load's common case, no per-page verdict built)."""
+        stored, expected = self._stored_and_expected(chunks, groups, keys, checksums, algorithm)
+        return stored.tobytes() == expected.tobytes()
+
+    def _stored_and_expected(
+        self,
+        chunks: np.ndarray,
+        groups: np.ndarray,
+        keys: np.ndarray | None,
+        checksums: np.ndarray,
+        algorithm: str,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The seals the pages hold and those a store would have written, ``[n, 8]`` u64."""
+        # Indexing with an array gives a new C-contiguous array: viewable as words.
+        stored = self.pages[np.asarray(chunks, dtype=np.int64), self.room :]
         if keys is None:
             # Any key: expect the stored one.
             keys = stored[:, 24:32]
         expected = self._words(np.asarray(groups), keys, checksums, algorithm)
-        return (stored_words == expected).all(axis=1)
+        return stored.view("<u8"), expected
 
     def seal(self, chunk: int, group: int, key: bytes, algorithm: str | None = None) -> None:
         """Seal one page, its checksum computed here on the host (tests, tools); the

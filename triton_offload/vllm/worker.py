@@ -96,12 +96,17 @@ class JobChunks:
     def of(
         cls, job: JobSpec, keys: tuple[bytes, ...] | None, seal_key: SealKey | None = None
     ) -> JobChunks:
+        digests = None if keys is None else key_digests(keys, seal_key)
+        if len(job.host_blocks) == 1:
+            # One group (most models): no numpy call per group.
+            chunks = np.asarray(job.host_blocks[0], dtype=np.int64)
+            indices = np.arange(chunks.size, dtype=np.int64)
+            return cls(np.zeros(chunks.size, np.int64), indices, chunks, keys, digests)
         sizes = [int(chunks.size) for chunks in job.host_blocks]
         groups = np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
         starts = np.repeat(np.cumsum([0, *sizes[:-1]]), sizes) if sizes else np.zeros(0)
         indices = np.arange(groups.size, dtype=np.int64) - starts.astype(np.int64)
         chunks = np.concatenate([np.zeros(0, np.int64), *job.host_blocks]).astype(np.int64)
-        digests = None if keys is None else key_digests(keys, seal_key)
         return cls(groups, indices, chunks, keys, digests)
 
     def checksums_of(self, checksums: Any) -> np.ndarray:
@@ -422,9 +427,7 @@ class TritonOffloadingWorker(RELEASE.SubmitSignatures, OffloadingWorker):  # typ
         if (
             values is not None
             and algorithm is not None
-            and sealer.accepted(
-                chunks.chunks, chunks.groups, chunks.digests, values, algorithm
-            ).all()
+            and sealer.all_accepted(chunks.chunks, chunks.groups, chunks.digests, values, algorithm)
         ):
             return []
         problems, records = sealer.header_problems(chunks.chunks, chunks.groups, chunks.digests)
