@@ -73,12 +73,13 @@ MAX_COPY_THREADS = 4
 SMALL_JOB_PAGES = 256
 #: A checksummed job is copied and hashed a batch of rows at a time, a batch holding about
 #: this many payload bytes: small enough to be in the copying core's cache when it is
-#: hashed (2 MiB of L2 per core on the CI machine). XXH3-64 over a 256 KiB row measured
+#: hashed (1 MiB of L2 per core on the CI machine: a batch's source and
+#: destination bytes together). XXH3-64 over a 256 KiB row measured
 #: 49 GB/s there in cache and 13 GB/s once the row had left it (64 MiB hashed after the
 #: copy); ``bench/suites/bench_seal_worker.py`` measures the effect through vLLM's worker.
 HOT_BATCH_BYTES = 512 << 10
 #: ... unless the rows it names hold at most this many bytes: then the whole job is
-#: still in cache when its copy ends, and copying it as an unhashed job, then hashing
+#: still in the shared last-level cache (32 MiB here) when its copy ends, and copying it as an unhashed job, then hashing
 #: its rows, costs less bookkeeping. Measured here (256-chunk jobs, one thread, rows
 #: hashed after the job / in batches, per copy alone): 2 MiB 0.80 / 0.68, 4 MiB 0.74 /
 #: 0.69, 8 MiB 0.72 / 0.72, 16 MiB 0.70 / 0.75, 64 MiB 0.68 / 0.79.
