@@ -79,10 +79,11 @@ SMALL_JOB_PAGES = 256
 #: copy); ``bench/suites/bench_seal_worker.py`` measures the effect through vLLM's worker.
 HOT_BATCH_BYTES = 512 << 10
 #: ... unless the rows it names hold at most this many bytes: then the whole job is
-#: still in the shared last-level cache (32 MiB here) when its copy ends, and copying it as an unhashed job, then hashing
-#: its rows, costs less bookkeeping. Measured here (256-chunk jobs, one thread, rows
-#: hashed after the job / in batches, per copy alone): 2 MiB 0.80 / 0.68, 4 MiB 0.74 /
-#: 0.69, 8 MiB 0.72 / 0.72, 16 MiB 0.70 / 0.75, 64 MiB 0.68 / 0.79.
+#: still in the shared last-level cache (32 MiB here) when its copy ends, and copying
+#: it as an unhashed job, then hashing its rows, costs less bookkeeping. Measured here
+#: (256-chunk jobs, one thread, rows hashed after the job / in batches, per copy
+#: alone): 2 MiB 0.80 / 0.68, 4 MiB 0.74 / 0.69, 8 MiB 0.72 / 0.72, 16 MiB 0.70 / 0.75,
+#: 64 MiB 0.68 / 0.79.
 COPY_THEN_HASH_BYTES = 4 << 20
 
 _pool_lock = threading.Lock()
@@ -513,20 +514,23 @@ class _HashWork(NamedTuple):
         threads, each batch then run by the thread that takes it); returns the seconds
         this thread spent hashing."""
         hashing = 0.0
-        pool, starts, lengths, digest = self.pool, self.row_starts, self.row_lengths, self.digest
+        # Locals: this loop runs once per batch on every copy thread, under the GIL.
+        pool, digest, values, clock = self.pool, self.digest, self.values, time.perf_counter
+        targets, sources, run_lengths = self.targets, self.sources, self.lengths
+        run_bounds, row_bounds = self.run_bounds, self.row_bounds
+        starts, lengths = self.row_starts, self.row_lengths
         for index in batches:
-            lo, hi = self.run_bounds[index], self.run_bounds[index + 1]
+            lo, hi = run_bounds[index], run_bounds[index + 1]
             collections.deque(
-                map(_memmove, self.targets[lo:hi], self.sources[lo:hi], self.lengths[lo:hi]),
-                maxlen=0,
+                map(_memmove, targets[lo:hi], sources[lo:hi], run_lengths[lo:hi]), maxlen=0
             )
-            started = time.perf_counter()
-            first, last = self.row_bounds[index], self.row_bounds[index + 1]
-            self.values[first:last] = [
+            started = clock()
+            first, last = row_bounds[index], row_bounds[index + 1]
+            values[first:last] = [
                 digest(pool[start : start + length])
                 for start, length in zip(starts[first:last], lengths[first:last], strict=True)
             ]
-            hashing += time.perf_counter() - started
+            hashing += clock() - started
         return hashing
 
 
