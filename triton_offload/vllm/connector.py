@@ -66,6 +66,7 @@ from triton_offload.vllm.planning import (
     stock_lookup_hazards,
 )
 from triton_offload.vllm.releases import RELEASE
+from triton_offload.vllm.worker import TritonTransferResult
 
 with supported_vllm_api():
     from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
@@ -381,20 +382,35 @@ def _blocks_by_group(gpu_spec: Any) -> tuple[tuple[int, ...], ...]:
     return tuple(groups)
 
 
+def _refused_result(job_id: int, gpu_spec: Any) -> Any:
+    """The result of a job whose submit raised or was refused: failed, and for a load
+    every GPU block it was to fill (none of them holds its bytes)."""
+    if gpu_spec is None or not hasattr(gpu_spec, "block_ids"):
+        return TransferResult(job_id, False, 0, 0.0)
+    return TritonTransferResult(
+        job_id,
+        False,
+        0,
+        0.0,
+        failed_blocks=_blocks_by_group(gpu_spec),
+        problem="the job could not be submitted",
+    )
+
+
 class _FailSoftWorker:
     """The offloading worker as vLLM's connector worker calls it: a submit that raises
     or is refused becomes a failed job reported by ``get_finished`` (vLLM asserts every
-    submit), each load's GPU blocks are kept to name what did not load, and each failed
-    load's result passes through ``on_failed_load(result, its GPU blocks)`` (the connector
-    worker's, which may report it by block ids and hand vLLM another result)."""
+    submit), its result naming the GPU blocks a load was to fill; each failed load's
+    result passes through ``on_failed_load(result)`` (the connector worker's, which may
+    report it by block ids and hand vLLM another result). It keeps no per-job state:
+    every failed result names its own blocks (``TritonTransferResult.failed_blocks``)."""
 
     def __init__(self, worker: Any, on_failed_load: Any) -> None:
         self.worker = worker
-        self.load_blocks: dict[int, tuple[tuple[int, ...], ...]] = {}
         self._refused: list[Any] = []
         self._on_failed_load = on_failed_load
 
-    def _submit(self, what: str, job_id: int, call: Any) -> bool:
+    def _submit(self, what: str, job_id: int, call: Any, gpu_spec: Any = None) -> bool:
         in_flight = getattr(self.worker, "_in_flight", None)
         if in_flight is not None and job_id in in_flight():
             # vLLM submits its deferred jobs in a loop it clears afterwards: after an
@@ -408,7 +424,7 @@ class _FailSoftWorker:
             logger.exception("%s: %s job %r could not be submitted", CONNECTOR_NAME, what, job_id)
             accepted = False
         if not accepted:
-            self._refused.append(TransferResult(job_id, False, 0, 0.0))
+            self._refused.append(_refused_result(job_id, gpu_spec))
         return True
 
     def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
@@ -419,22 +435,16 @@ class _FailSoftWorker:
     def submit_load(
         self, job_id: int, src_spec: Any, dst_spec: Any, expedited: bool = False
     ) -> bool:
-        if hasattr(dst_spec, "block_ids"):
-            self.load_blocks[job_id] = _blocks_by_group(dst_spec)
         return self._submit(
             "load",
             job_id,
             lambda: self.worker.submit_load(job_id, src_spec, dst_spec, expedited=expedited),
+            dst_spec,
         )
 
     def get_finished(self) -> list[Any]:
         results, self._refused = self._refused + list(self.worker.get_finished()), []
-        reports = []
-        for result in results:
-            # Every finished job leaves the books here, successful or not.
-            blocks = self.load_blocks.pop(result.job_id, ())
-            reports.append(result if result.success else self._on_failed_load(result, blocks))
-        return reports
+        return [result if result.success else self._on_failed_load(result) for result in results]
 
     def wait(self, job_ids: Any) -> None:
         refused = {result.job_id for result in self._refused}
@@ -548,7 +558,6 @@ class TritonOffloadingConnectorWorker(OffloadingConnectorWorker):  # type: ignor
         for job_id, entry in metadata.load_jobs.items():
             if entry.sync:
                 self._load_jobs[job_id] = None
-                self.worker.load_blocks[job_id] = _blocks_by_group(entry.dst_spec)
                 staged.append((job_id, entry.src_spec, entry.dst_spec))
             else:
                 self._load_jobs[job_id] = entry.req_id
@@ -597,7 +606,7 @@ class TritonOffloadingConnectorWorker(OffloadingConnectorWorker):  # type: ignor
         RELEASE.start_kv_transfers(self, metadata, super().start_kv_transfers)
         return None
 
-    def _triton_failed_load(self, result: Any, blocks: Any) -> Any:
+    def _triton_failed_load(self, result: Any) -> Any:
         """A failed job's result on its way to vLLM: a load's bad keys go to the
         scheduler, the release routes it (``RELEASE.route_failed_load``: by block id or
         per request) and returns the result vLLM's books should see."""
@@ -605,7 +614,7 @@ class TritonOffloadingConnectorWorker(OffloadingConnectorWorker):  # type: ignor
         if job_id not in self._load_jobs:
             return result  # a store: the metadata's failed_jobs reports it
         req_id = self._load_jobs[job_id]
-        failed = getattr(result, "failed_blocks", ()) or blocks
+        failed = getattr(result, "failed_blocks", ())
         self._connector_worker_meta.bad_keys.update(getattr(result, "bad_keys", ()))
         logger.warning(
             "%s: load job %r%s failed (%s): %d GPU blocks not loaded, vLLM's "
