@@ -430,7 +430,7 @@ def test_an_interrupt_while_the_worker_verifies_loads_loses_none(
         assert len(worker.get_finished()) == 3
         for job in range(3):
             _load(worker, 10 + job, chunk=job, blocks=[6 + 2 * job, 7 + 2 * job])
-        calls = _interrupt_second_call(monkeypatch, worker.sealer, "accepted")
+        calls = _interrupt_second_call(monkeypatch, worker.sealer, "all_accepted")
         with pytest.raises(KeyboardInterrupt):
             worker.get_finished() if caller == "get_finished" else worker.wait([10, 11, 12])
         assert calls[0] == 2

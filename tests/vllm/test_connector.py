@@ -553,3 +553,23 @@ def test_a_preempted_request_looks_up_again_and_reloads_the_same_hit() -> None:
     again, load_async = serving.connector.get_num_new_matched_tokens(request, 0)
     serving.scheduler_side.scheduler._release_step()
     assert (again, load_async) == (hit, True)
+
+
+def test_a_refused_load_is_reported_once_naming_every_block_it_was_to_fill() -> None:
+    """A load the worker refuses (a host chunk past the region) is reported failed once,
+    by ``get_finished``, with every GPU block it was to fill; submitted again (as vLLM does
+    after an interrupt cut its submit loop) it is in flight, not refused twice. The
+    fail-soft wrapper keeps nothing of it: the worker queues the report with its own."""
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+    serving = Serving([attention(4)])
+    fail_soft = serving.worker_side.connector.connector_worker.worker
+    gpu = GPULoadStoreSpec([3, 5], [2], [0])
+    host = CPULoadStoreSpec([10**6])
+    assert fail_soft.submit_load(77, host, gpu)
+    assert fail_soft.submit_load(77, host, gpu)
+    assert fail_soft._refused == []
+    reports = fail_soft.get_finished()
+    assert [(r.job_id, r.success, r.failed_blocks) for r in reports] == [(77, False, ((3, 5),))]
+    assert fail_soft.get_finished() == []

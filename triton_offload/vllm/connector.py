@@ -403,11 +403,15 @@ class _FailSoftWorker:
     submit), its result naming the GPU blocks a load was to fill; each failed load's
     result passes through ``on_failed_load(result)`` (the connector worker's, which may
     report it by block ids and hand vLLM another result). It keeps no per-job state:
-    every failed result names its own blocks (``TritonTransferResult.failed_blocks``)."""
+    every failed result names its own blocks (``TritonTransferResult.failed_blocks``), and
+    this project's worker queues a refused job's report with its own
+    (``report_refused``); only another worker (vLLM's, under a spec of vLLM's) has its
+    refused reports kept here until ``get_finished``."""
 
     def __init__(self, worker: Any, on_failed_load: Any) -> None:
         self.worker = worker
         self._refused: list[Any] = []
+        self._report_refused = getattr(worker, "report_refused", self._refused.append)
         self._on_failed_load = on_failed_load
 
     def _submit(self, what: str, job_id: int, call: Any, gpu_spec: Any = None) -> bool:
@@ -424,7 +428,7 @@ class _FailSoftWorker:
             logger.exception("%s: %s job %r could not be submitted", CONNECTOR_NAME, what, job_id)
             accepted = False
         if not accepted:
-            self._refused.append(_refused_result(job_id, gpu_spec))
+            self._report_refused(_refused_result(job_id, gpu_spec))
         return True
 
     def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
@@ -443,7 +447,10 @@ class _FailSoftWorker:
         )
 
     def get_finished(self) -> list[Any]:
-        results, self._refused = self._refused + list(self.worker.get_finished()), []
+        results = list(self.worker.get_finished())
+        if self._refused:
+            results = [*self._refused, *results]
+            self._refused.clear()
         return [result if result.success else self._on_failed_load(result) for result in results]
 
     def wait(self, job_ids: Any) -> None:

@@ -603,6 +603,13 @@ class TritonOffloadingWorker(RELEASE.SubmitSignatures, OffloadingWorker):  # typ
         self._ready.setdefault(job_id, Report(TransferResult(job_id, success, 0, 0.0)))
         del self._replica_jobs[job_id]
 
+    def report_refused(self, result: Any) -> None:
+        """Queue the failed ``result`` of a job whose submit raised or was refused (vLLM's
+        connector asserts every submit, so the caller reports it instead): it reaches
+        ``get_finished`` with the other reports, once (queued by job id; while queued the
+        id is in flight, so a submit of it again is refused as in flight)."""
+        self._ready.setdefault(result.job_id, Report(result))
+
     def get_finished(self) -> list[Any]:
         self._drain_engine()
         if self._replica_jobs:
