@@ -483,9 +483,9 @@ def copy_and_hash_pages(
     threads = min(_threads_for(job), batches)
     if threads > 1:
         # Each thread takes the next batch not yet taken (one shared iterator: next() on
-        # it is atomic under the GIL): a thread that started late or runs slower takes
-        # fewer. Fixed shares (every other batch) left one thread up to ~1.5 ms behind
-        # the other on 64 MiB loads here, the job waiting for it.
+        # it is atomic under the GIL), so a thread that starts late or runs slower takes
+        # fewer and the threads end together; with fixed shares the job waited for its
+        # slowest thread (up to ~1.5 ms on 64 MiB loads here).
         batch_queue = iter(range(batches))
         seconds = sum(_run_shares([functools.partial(work.run, batch_queue)] * threads))
     else:
